@@ -1,0 +1,80 @@
+"""The decoder protocol: prepare on a model once, then decode prompts greedily.
+
+A decoder is one small object. ``prepare`` receives the loaded model (and may allocate static
+state, capture graphs, measure costs); ``decode`` turns a prompt into at most ``max_new_tokens``
+new tokens, stopping right after an EOS token, and returns them with statistics. Exactness means
+the tokens equal what ``serial`` emits for the same prompt, always.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class DecodeStats:
+    """What a decode did. ``accepted_by_depth[d]`` counts accepted drafts made at depth d+1;
+    ``accept_hist[k]`` counts verification rounds that accepted k drafts."""
+
+    forwards: int = 0  # backbone forward calls (prefill, steps, verify windows, repairs)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    drafted_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+    accept_hist: Counter = field(default_factory=Counter)
+    extra: dict = field(default_factory=dict)  # decoder-specific (times per phase, depth trace...)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        for d in range(drafted):
+            while len(self.drafted_by_depth) <= d:
+                self.drafted_by_depth.append(0)
+                self.accepted_by_depth.append(0)
+            self.drafted_by_depth[d] += 1
+            if d < accepted:
+                self.accepted_by_depth[d] += 1
+        self.accept_hist[accepted] += 1
+
+    def to_json(self) -> dict:
+        rounds = sum(self.accept_hist.values())
+        return {
+            "forwards": self.forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "drafted_by_depth": list(self.drafted_by_depth),
+            "accepted_by_depth": list(self.accepted_by_depth),
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            # tokens emitted per verification round (accepted drafts + the model's own token)
+            "mean_accepted_length": (self.accepted + rounds) / rounds if rounds else None,
+            **self.extra,
+        }
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    name: str
+
+    def prepare(self, model) -> None:
+        """Bind to a loaded model (harness.models.LoadedModel); may allocate and warm up."""
+
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        """Greedy-decode at most ``max_new_tokens`` tokens after ``prompt_ids``, stopping after EOS."""
+
+    def config(self) -> dict:
+        """Settings that define this decoder's behaviour, recorded in the run header."""
+
+
+def stop_index(tokens: list[int], eos: tuple[int, ...] | set[int], limit: int) -> int:
+    """Length of the emitted stream: up to and including the first EOS, at most ``limit``."""
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return i + 1
+    return min(len(tokens), limit)

@@ -1,0 +1,47 @@
+"""``serial``: the pristine control that defines "exact".
+
+HF transformers' own forward and DynamicCache: prefill the prompt, then one token per forward,
+``argmax`` (first index on ties). Nothing clever, ever: every other decoder is judged against it.
+It matches ``model.generate(do_sample=False)`` token for token (tests/test_serial.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from decoders.base import DecodeResult, DecodeStats
+
+
+class SerialDecoder:
+    name = "serial"
+
+    def __init__(self):
+        self.model = None
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+    def config(self) -> dict:
+        return {"cache": "DynamicCache", "attn_implementation": self.model.backbone.config._attn_implementation
+                if self.model else None}
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        from transformers import DynamicCache
+
+        lm = self.model.backbone
+        eos = set(self.model.eos_token_ids)
+        stats = DecodeStats()
+        cache = DynamicCache(config=lm.config)
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        out = lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        stats.forwards += 1
+        tokens: list[int] = []
+        while True:
+            nxt = out.logits[:, -1].argmax(-1)
+            tok = int(nxt.item())
+            tokens.append(tok)
+            if tok in eos or len(tokens) >= max_new_tokens:
+                break
+            out = lm(input_ids=nxt.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            stats.forwards += 1
+        return DecodeResult(tokens, stats)

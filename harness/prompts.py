@@ -1,0 +1,108 @@
+"""Prompt sets: a jsonl file of ``{"id": str, "text": str}`` or ``{"id": str, "token_ids": [int]}``.
+
+Built-in sets:
+  dev         fixtures/prompts/dev.jsonl: prose, code, lists, dialogue, math (needs a tokenizer)
+  random-512  8 prompts of 512 token ids drawn from a fixed seed (for models without a tokenizer,
+              such as synthetic-9b; random weights make any prompt equally meaningful)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fixtures.prompts import DEV_FILE
+from harness.errors import UserError
+
+BUILTIN_PROMPTS = {
+    "dev": "10 varied prompts (prose, code, lists, dialogue, math), tokenized with the model's tokenizer",
+    "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
+}
+
+
+@dataclass
+class Prompt:
+    id: str
+    token_ids: list[int]
+    text: str | None = None
+
+
+def default_prompt_set(model) -> str:
+    return "dev" if model.tokenizer is not None else "random-512"
+
+
+def random_prompts(vocab: int, count: int = 8, length: int = 512, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"id": f"random-{i}", "token_ids": torch.randint(0, vocab, (length,), generator=gen).tolist()}
+            for i in range(count)]
+
+
+def parse_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"prompt file {str(path)!r} not found")
+    entries = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{path}:{lineno}: each line must be a JSON object")
+        entries.append((lineno, obj))
+    if not entries:
+        raise UserError(f"{path}: no prompts in the file")
+    return entries
+
+
+def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[list[Prompt], dict]:
+    """Resolve a prompt set against a model. Returns the prompts and a description for the header."""
+    spec = spec or default_prompt_set(model)
+    if spec == "random-512":
+        entries = list(enumerate(random_prompts(model.vocab_size), start=1))
+        source = "builtin:random-512"
+        digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
+    else:
+        path = DEV_FILE if spec == "dev" else Path(spec)
+        entries = parse_jsonl(path)
+        source = "builtin:dev" if spec == "dev" else str(path)
+        digest_src = path.read_bytes()
+    prompts, seen = [], set()
+    for lineno, obj in entries:
+        pid = obj.get("id")
+        if not isinstance(pid, str) or not pid:
+            raise UserError(f"{source}:{lineno}: prompt needs a non-empty string 'id'")
+        if pid in seen:
+            raise UserError(f"{source}:{lineno}: duplicate prompt id {pid!r}")
+        seen.add(pid)
+        has_text, has_ids = "text" in obj, "token_ids" in obj
+        if has_text == has_ids:
+            raise UserError(f"{source}:{lineno}: prompt {pid!r} needs exactly one of 'text' or 'token_ids'")
+        if has_ids:
+            ids = obj["token_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise UserError(f"{source}:{lineno}: prompt {pid!r}: token_ids must be a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < model.vocab_size]
+            if bad:
+                raise UserError(f"{source}:{lineno}: prompt {pid!r}: token id {bad[0]} outside the vocabulary "
+                                f"(0..{model.vocab_size - 1})")
+            prompts.append(Prompt(pid, list(ids)))
+        else:
+            text = obj["text"]
+            if not isinstance(text, str) or not text:
+                raise UserError(f"{source}:{lineno}: prompt {pid!r}: text must be a non-empty string")
+            if model.tokenizer is None:
+                raise UserError(f"{source}: prompt {pid!r} is text, but model {model.name} has no tokenizer; "
+                                "give token_ids (or use --prompts random-512)")
+            ids = model.tokenizer.get().encode(text)
+            if not ids:
+                raise UserError(f"{source}:{lineno}: prompt {pid!r} tokenizes to nothing")
+            prompts.append(Prompt(pid, list(ids), text))
+    if limit is not None:
+        prompts = prompts[:limit]
+    info = {"source": source, "sha256": hashlib.sha256(digest_src).hexdigest(), "count": len(prompts)}
+    return prompts, info
