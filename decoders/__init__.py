@@ -14,6 +14,8 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "serial": ("decoders.serial:SerialDecoder", "the pristine control: HF forward + DynamicCache, one token per forward"),
     "spec-naive": ("decoders.spec_naive:SpecNaiveDecoder",
                    "baseline MTP speculation: fixed k=3 drafts, batched HF verify, repair by re-running"),
+    "fast-serial": ("decoders.fast_serial:FastSerialDecoder",
+                    "exact serial decoding on the fast runtime: static state, CUDA-graphed steps"),
 }
 DEFAULT_DECODER = "spec-naive"
 CONTROL = "serial"

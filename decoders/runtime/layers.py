@@ -1,0 +1,194 @@
+"""Qwen3.5 layer arithmetic over a window of w rows, bit-identical per row to HF's serial step.
+
+Every function here mirrors, op for op and dtype for dtype, what transformers 5.17's Qwen3.5
+modules do for a single token with a cache (q_len = 1), and batches an op over the window's rows
+only where the calibration proved the batched kernel bit-equal to the 1-row kernel; elsewhere it
+loops rows with the serial shapes. Elementwise ops compute each element alone and are batched
+freely. The only genuinely sequential work, the Gated-DeltaNet recurrence, runs token by token.
+With w = 1 each function performs exactly the serial step's ops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+
+def rows(fn, x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
+    """fn over x in chunks of at most ``batch`` rows along ``dim`` (one chunk when proven)."""
+    n = x.shape[dim]
+    if n <= batch:
+        return fn(x)
+    return torch.cat([fn(x.narrow(dim, i, min(batch, n - i)).contiguous()) for i in range(0, n, batch)], dim=dim)
+
+
+def ew(fn, x: torch.Tensor, dim: int, cal) -> torch.Tensor:
+    """A transcendental elementwise op: over the whole window where proven layout-invariant,
+    else one row at a time in the serial step's layout."""
+    n = x.shape[dim]
+    if cal.elementwise or n == 1:
+        return fn(x)
+    return torch.cat([fn(x.narrow(dim, i, 1)) for i in range(n)], dim=dim)
+
+
+def linear(lin: torch.nn.Linear, x: torch.Tensor, cal) -> torch.Tensor:
+    return rows(lin, x, 1, cal.gemm_rows(lin))
+
+
+def rms_norm(norm, x: torch.Tensor, cal) -> torch.Tensor:
+    """Qwen3_5RMSNorm (zero-centred weight), its statistic computed in row chunks where unproven."""
+    xf = x.float()
+    sq = xf.pow(2)
+    var = rows(lambda t: t.mean(-1, keepdim=True), sq, 1, cal.hidden_mean)
+    out = xf * ew(torch.rsqrt, var + norm.eps, 1, cal)
+    out = out * (1.0 + norm.weight.float())
+    return out.type_as(x)
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' l2norm (FLA-compatible), used on q and k in the recurrent rule."""
+    inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    return x * inv_norm
+
+
+def serial_sdpa(attn, query, key, value) -> torch.Tensor:
+    """The control's q_len=1 attention call (transformers' sdpa_attention_forward with no mask)."""
+    kwargs = {}
+    if attn.num_key_value_groups > 1:
+        if key.shape[-1] == value.shape[-1] <= 256:
+            kwargs = {"enable_gqa": True}
+        else:
+            n = attn.num_key_value_groups
+            b, h, s, d = key.shape
+            key = key[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+            value = value[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                         scale=attn.scaling, is_causal=False, **kwargs)
+    return out.transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------- Gated-DeltaNet
+
+
+def gdn_window(mod, x, conv_state, rec_state, cal, rec_capture=None):
+    """Gated-DeltaNet token mixer over w rows. Updates ``conv_state`` and ``rec_state`` in place to
+    the state after the last row. Returns (output [1,w,H], conv_cat [1,C,K+w]); the conv state after
+    row i is ``conv_cat[..., i+1:i+1+K]``, and with ``rec_capture`` ([>=w,1,Hv,dk,dv]) the recurrent
+    state after row i is left in ``rec_capture[i]``: that is what rollback restores."""
+    w = x.shape[1]
+    qkv = linear(mod.in_proj_qkv, x, cal)
+    z = linear(mod.in_proj_z, x, cal).reshape(1, w, -1, mod.head_v_dim)
+    b = linear(mod.in_proj_b, x, cal)
+    a = linear(mod.in_proj_a, x, cal)
+
+    # transformers' causal_conv1d_update, over the whole window at once where proven
+    k = conv_state.shape[-1]
+    weight = mod.conv1d.weight.squeeze(1).unsqueeze(1)
+    cat = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1).to(weight.dtype)
+    conv_state.copy_(cat[:, :, -k:])
+    act = ACT2FN[mod.activation]
+    if w == 1 or cal.conv_window:
+        conv = F.conv1d(cat, weight, mod.conv1d.bias, padding=0, groups=mod.conv_dim)[:, :, -w:]
+        conv = ew(act, conv, 2, cal)
+    else:  # the serial update rule, token by token, activation in the serial layout
+        conv = torch.cat([act(F.conv1d(cat[:, :, i:i + k + 1].contiguous(), weight, mod.conv1d.bias, padding=0,
+                                       groups=mod.conv_dim)[:, :, -1:]) for i in range(w)], dim=-1)
+    mixed = conv.to(qkv.dtype).transpose(1, 2)
+
+    query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+    query = query.reshape(1, w, -1, mod.head_k_dim)
+    key = key.reshape(1, w, -1, mod.head_k_dim)
+    value = value.reshape(1, w, -1, mod.head_v_dim)
+    beta = ew(torch.sigmoid, b, 1, cal)
+    g = -mod.A_log.float().exp() * ew(F.softplus, a.float() + mod.dt_bias, 1, cal)
+    if mod.num_v_heads // mod.num_k_heads > 1:
+        query = query.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
+        key = key.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
+
+    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture)
+    core = core.reshape(-1, mod.head_v_dim)
+    z = z.reshape(-1, mod.head_v_dim)
+    core = gated_norm(mod, core, z, w, cal.gated_norm)
+    core = core.reshape(1, w, -1)
+    return linear(mod.out_proj, core, cal), cat
+
+
+def gated_norm(mod, core, z, w: int, batch: int):
+    """The output norm over [w*Hv, dv] rows, in chunks of ``batch`` tokens (Hv rows each)."""
+    if w <= batch:
+        return mod.norm(core, z)
+    hv = mod.num_v_heads
+    return torch.cat([mod.norm(core[i * hv:(i + min(batch, w - i)) * hv], z[i * hv:(i + min(batch, w - i)) * hv])
+                      for i in range(0, w, batch)], dim=0)
+
+
+def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None):
+    """transformers' torch_recurrent_gated_delta_rule (q/k L2-normed in the kernel), token by token,
+    starting from ``rec_state`` and writing the final state back into it."""
+    w = query.shape[1]
+    initial_dtype = query.dtype
+    query, key, value, beta, decay = [
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for t in (query, key, value, beta, g)
+    ]
+    query = rows(l2norm, query, 2, cal.l2norm)
+    key = rows(l2norm, key, 2, cal.l2norm)
+    query = query / (query.shape[-1] ** 0.5)
+    state = rec_state.to(value)
+    core = torch.zeros_like(value)
+    decay_exp = decay.exp() if cal.elementwise or w == 1 else None
+    for i in range(w):
+        q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
+        # exp of this token's decay, in the serial layout unless proven layout-invariant
+        decay_t = (decay_exp[:, :, i] if decay_exp is not None else decay[:, :, i].contiguous().exp())[..., None, None]
+        state = state * decay_t
+        beta_t = beta[:, :, i].unsqueeze(-1)
+        kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
+        delta = (v_t - kv_mem) * beta_t
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        core[:, :, i] = (state * q_t.unsqueeze(-1)).sum(dim=-2)
+        if rec_capture is not None:
+            rec_capture[i].copy_(state)
+    rec_state.copy_(state)
+    return core.transpose(1, 2).contiguous().to(initial_dtype)
+
+
+# --------------------------------------------------------------------------- gated attention
+
+
+def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal):
+    """Projections, per-head norms, RoPE; writes this window's K/V into the static buffers at
+    ``positions``. Returns (per-row contiguous queries, gate)."""
+    w = x.shape[1]
+    hd = mod.head_dim
+    query, gate = torch.chunk(linear(mod.q_proj, x, cal).view(1, w, -1, hd * 2), 2, dim=-1)
+    gate = gate.reshape(1, w, -1)
+    query = rows(mod.q_norm, query.view(1, w, -1, hd), 1, cal.head_norm).transpose(1, 2)
+    key = rows(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), 1, cal.head_norm).transpose(1, 2)
+    value = linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    kbuf.index_copy_(2, positions, key)
+    vbuf.index_copy_(2, positions, value)
+    q_rows = [query] if w == 1 else [query[:, :, i:i + 1].contiguous() for i in range(w)]
+    return q_rows, gate
+
+
+def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, contiguous_kv: bool) -> None:
+    """q_len=1 attention for each row, over exactly the KV length the serial step would see.
+    Kept outside CUDA graphs: the length changes every token."""
+    for i, q in enumerate(q_rows):
+        length = start + i + 1
+        k, v = kbuf[:, :, :length], vbuf[:, :, :length]
+        if contiguous_kv:
+            k, v = k.contiguous(), v.contiguous()
+        out[:, i:i + 1].copy_(serial_sdpa(mod, q, k, v).reshape(1, 1, -1))
+
+
+def attention_post(mod, attn_out, gate, cal):
+    return linear(mod.o_proj, attn_out * ew(torch.sigmoid, gate, 1, cal), cal)
+
+
+def mlp(mod, x, cal):
+    return linear(mod.down_proj, ew(mod.act_fn, linear(mod.gate_proj, x, cal), 1, cal) * linear(mod.up_proj, x, cal),
+                  cal)

@@ -1,0 +1,138 @@
+"""A forward of w rows as a fixed program of segments over static buffers, CUDA-graphed on the GPU.
+
+Everything with fixed shapes (embedding, projections, norms, conv, recurrence, MLP, lm_head) runs
+in captured CUDA graphs. Attention's q_len=1 calls do not: the KV length grows every token, and
+the control's attention kernel must see exactly that length to produce the same bits, so the
+program is cut into graph segments around them and those calls run eagerly in between
+(``capture around it``). One program per window size; on a CPU the same segments run eagerly.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from decoders.runtime import layers as L
+
+
+class WindowProgram:
+    def __init__(self, model, state, rope, cal, w: int, capture_states: bool):
+        self.model, self.state, self.rope, self.cal, self.w = model, state, rope, cal, w
+        self.capture_states = capture_states
+        lm = model.backbone
+        dev = model.device
+        self.tokens = torch.zeros(1, w, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(w, dtype=torch.long, device=dev)
+        self.attn_out = {idx: torch.zeros(1, w, lm.config.num_attention_heads * lm.model.layers[idx].self_attn.head_dim,
+                                          dtype=lm.lm_head.weight.dtype, device=dev)
+                         for idx in state.attn_layers}
+        self.ws: dict = {}  # tensors passed between steps; on the GPU their addresses are the graphs'
+        self.segments = self._build()
+        self.graphs = None
+        self.start = 0
+
+    # ------------------------------------------------------------------ the forward, as steps
+
+    def _build(self):
+        segments, current = [], [self._embed]
+        for idx, layer in enumerate(self.model.backbone.model.layers):
+            if idx in self.state.attn_layers:
+                current.append(partial(self._attn_pre, idx))
+                segments.append(("graph", current))
+                segments.append(("eager", partial(self._attn_core, idx)))
+                current = [partial(self._attn_post, idx)]
+            else:
+                current.append(partial(self._gdn, idx))
+        current.append(self._head)
+        segments.append(("graph", current))
+        return segments
+
+    def _embed(self):
+        lm = self.model.backbone
+        self.ws["x"] = lm.model.embed_tokens(self.tokens)
+        cos, sin = self.rope
+        self.ws["cos"] = cos.index_select(0, self.positions).unsqueeze(0)
+        self.ws["sin"] = sin.index_select(0, self.positions).unsqueeze(0)
+
+    def _gdn(self, idx):
+        layer = self.model.backbone.model.layers[idx]
+        x = self.ws["x"]
+        h = L.rms_norm(layer.input_layernorm, x, self.cal)
+        cap = self.state.rec_capture[idx] if self.capture_states else None
+        h, cat = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal, cap)
+        self.ws[("conv_cat", idx)] = cat
+        self._mlp(layer, x + h)
+
+    def _attn_pre(self, idx):
+        layer = self.model.backbone.model.layers[idx]
+        x = self.ws["x"]
+        h = L.rms_norm(layer.input_layernorm, x, self.cal)
+        q_rows, gate = L.attention_pre(layer.self_attn, h, self.ws["cos"], self.ws["sin"], self.state.keys[idx],
+                                       self.state.values[idx], self.positions, self.cal)
+        self.ws[("q", idx)], self.ws[("gate", idx)] = q_rows, gate
+
+    def _attn_core(self, idx):
+        layer = self.model.backbone.model.layers[idx]
+        L.attention_core(layer.self_attn, self.ws[("q", idx)], self.state.keys[idx], self.state.values[idx],
+                         self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok)
+
+    def _attn_post(self, idx):
+        layer = self.model.backbone.model.layers[idx]
+        h = L.attention_post(layer.self_attn, self.attn_out[idx], self.ws[("gate", idx)], self.cal)
+        self._mlp(layer, self.ws["x"] + h)
+
+    def _mlp(self, layer, x):
+        h = L.rms_norm(layer.post_attention_layernorm, x, self.cal)
+        self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal)
+
+    def _head(self):
+        lm = self.model.backbone
+        hidden = L.rms_norm(lm.model.norm, self.ws["x"], self.cal)
+        self.ws["hidden"] = hidden
+        self.ws["logits"] = L.linear(lm.lm_head, hidden, self.cal)
+        self.ws["argmax"] = self.ws["logits"].argmax(-1)
+
+    # ------------------------------------------------------------------ running
+
+    def _run_eager(self):
+        for kind, body in self.segments:
+            if kind == "graph":
+                for fn in body:
+                    fn()
+            else:
+                body()
+
+    def capture(self, pool, start: int) -> None:
+        """Warm up eagerly on a side stream, then capture each graph segment (GPU only)."""
+        self.start = start
+        self.positions.copy_(torch.arange(start, start + self.w, device=self.positions.device))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run_eager()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for kind, body in self.segments:
+            if kind == "graph":
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    for fn in body:
+                        fn()
+                graphs.append(g)
+            else:
+                graphs.append(None)
+                body()
+        self.graphs = graphs
+
+    def run(self, start: int) -> None:
+        """Forward the rows already in ``self.tokens`` at positions start..start+w-1."""
+        self.start = start
+        if self.graphs is None:
+            self._run_eager()
+            return
+        for (kind, body), graph in zip(self.segments, self.graphs):
+            if graph is not None:
+                graph.replay()
+            else:
+                body()

@@ -1,0 +1,136 @@
+"""The exact fast runtime: prefill, graphed single-token steps, verify windows, rollback.
+
+Bit-exactness contract: every logit this runtime computes for a position equals, bit for bit,
+the logit the pristine ``serial`` control computes for that position after the same tokens.
+  * prefill is the control's own HF forward (same call, same arithmetic), copied into static state;
+  * a step or a window runs ``layers.py``'s ops, which mirror HF's serial step and batch over rows
+    only where ``calibration.py`` proved it bit-equal on this device;
+  * RoPE rows are the control's own rotary computation, one position at a time, done once up front;
+  * rollback restores the Gated-DeltaNet state captured at the accepted row; KV entries past the
+    accepted length are simply overwritten later. No forward is ever re-run to repair state.
+"""
+from __future__ import annotations
+
+import torch
+
+from decoders.runtime.calibration import Calibration, calibrate
+from decoders.runtime.program import WindowProgram
+from decoders.runtime.state import StaticState
+
+
+class ExactRuntime:
+    def __init__(self, model, capacity: int, windows=(1,), cal: Calibration | None = None,
+                 use_graphs: bool | None = None):
+        self.model = model
+        lm = model.backbone
+        self.device = model.device
+        self.capacity = capacity
+        self.max_window = max(windows)
+        self.cal = cal or calibrate(model, max_rows=max(8, self.max_window))
+        self.state = StaticState(lm, capacity, self.max_window, self.device)
+        self.rope = self._rope_table(capacity)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.programs: dict[tuple[int, bool], WindowProgram] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        for w in windows:
+            self.program(w, capture=w > 1)
+        self.length = 0  # tokens whose state is committed
+        self.last_verify: WindowProgram | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    @torch.inference_mode()
+    def _rope_table(self, capacity: int):
+        """cos/sin for every position, each computed exactly as the control computes it (one
+        position per call), so gathering a row reproduces the control's bits."""
+        inner = self.model.backbone.model
+        dummy = torch.zeros(1, 1, 1, dtype=self.model.backbone.lm_head.weight.dtype, device=self.device)
+        cos_rows, sin_rows = [], []
+        for p in range(capacity):
+            pos = torch.full((3, 1, 1), p, dtype=torch.long, device=self.device)
+            cos, sin = inner.rotary_emb(dummy, pos)
+            cos_rows.append(cos.reshape(-1))
+            sin_rows.append(sin.reshape(-1))
+        return torch.stack(cos_rows), torch.stack(sin_rows)
+
+    @torch.inference_mode()
+    def program(self, w: int, capture: bool) -> WindowProgram:
+        key = (w, capture)
+        if key not in self.programs:
+            prog = WindowProgram(self.model, self.state, self.rope, self.cal, w, capture_states=capture)
+            if self.use_graphs:
+                prog.capture(self.pool, start=0)
+            self.programs[key] = prog
+        return self.programs[key]
+
+    # ------------------------------------------------------------------ decoding
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]):
+        """The control's prefill (HF forward, DynamicCache, last-row logits), into static state.
+        Returns (logits [1,V], hidden [1,1,H]) of the last prompt position."""
+        from transformers import DynamicCache
+
+        lm = self.model.backbone
+        if len(prompt_ids) + 1 > self.capacity:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit capacity {self.capacity}")
+        cache = DynamicCache(config=lm.config)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[:, -1:, :]
+        logits = lm.lm_head(hidden)
+        self.state.load_from_cache(cache, len(prompt_ids))
+        self.length = len(prompt_ids)
+        return logits[:, -1], hidden
+
+    def _check_room(self, w: int) -> None:
+        if self.length + w > self.capacity:
+            raise ValueError(f"runtime capacity {self.capacity} exceeded at length {self.length} + {w}")
+
+    @torch.inference_mode()
+    def step(self, token: torch.Tensor) -> WindowProgram:
+        """Consume one token (device tensor, [1,1] or [1]) at position ``length`` and commit it.
+        Returns the program, whose ws holds logits [1,1,V], argmax [1,1] and hidden [1,1,H]."""
+        self._check_room(1)
+        prog = self.program(1, capture=False)
+        prog.tokens.copy_(token.view(1, 1))
+        prog.positions.copy_(self._positions(self.length, 1))
+        prog.run(self.length)
+        self.length += 1
+        return prog
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor) -> WindowProgram:
+        """Run a window over ``tokens`` [1,w] at positions length..length+w-1, capturing the state
+        after every row; nothing is committed until ``accept``."""
+        w = tokens.shape[-1]
+        self._check_room(w)
+        prog = self.program(w, capture=True)
+        prog.tokens.copy_(tokens.view(1, w))
+        prog.positions.copy_(self._positions(self.length, w))
+        prog.run(self.length)
+        self.last_verify = prog
+        return prog
+
+    @torch.inference_mode()
+    def accept(self, rows: int) -> None:
+        """Commit the first ``rows`` rows (1..w) of the last verify window; roll the recurrent and
+        conv state back to the one captured after row rows-1."""
+        prog = self.last_verify
+        w = prog.w
+        if not 1 <= rows <= w:
+            raise ValueError(f"accept({rows}) outside 1..{w}")
+        if rows < w:
+            st = self.state
+            k = next(iter(st.conv.values())).shape[-1] if st.conv else 0
+            dst = [st.rec[i] for i in st.gdn_layers] + [st.conv[i] for i in st.gdn_layers]
+            src = [st.rec_capture[i][rows - 1] for i in st.gdn_layers] + \
+                  [prog.ws[("conv_cat", i)][:, :, rows:rows + k] for i in st.gdn_layers]
+            torch._foreach_copy_(dst, src)
+        self.length += rows
+        self.last_verify = None
+
+    def _positions(self, start: int, w: int) -> torch.Tensor:
+        if not hasattr(self, "_arange"):
+            self._arange = torch.arange(self.capacity, device=self.device)
+        return self._arange[start:start + w]

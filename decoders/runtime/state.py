@@ -1,0 +1,54 @@
+"""Static, preallocated decoding state for the whole model.
+
+Attention layers: K and V buffers of ``capacity`` positions (prompt + N + window). Gated-DeltaNet
+layers: the conv state (last K inputs) and the fp32 recurrent state, plus ``max_window`` capture
+slots per layer holding the recurrent state after each row of a verify window, so a rejection is
+repaired by copying the captured state back, never by re-running a forward. All tensors keep
+their addresses for the life of the runtime, as CUDA graphs require.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticState:
+    def __init__(self, backbone, capacity: int, max_window: int, device):
+        cfg = backbone.config
+        self.capacity = capacity
+        self.attn_layers, self.gdn_layers = [], []
+        self.keys, self.values = {}, {}
+        self.conv, self.rec, self.rec_capture = {}, {}, {}
+        dtype = backbone.lm_head.weight.dtype
+        for idx, layer in enumerate(backbone.model.layers):
+            if hasattr(layer, "self_attn"):
+                a = layer.self_attn
+                shape = (1, cfg.num_key_value_heads, capacity, a.head_dim)
+                self.keys[idx] = torch.zeros(shape, dtype=dtype, device=device)
+                self.values[idx] = torch.zeros(shape, dtype=dtype, device=device)
+                self.attn_layers.append(idx)
+            else:
+                g = layer.linear_attn
+                self.conv[idx] = torch.zeros(1, g.conv_dim, g.conv_kernel_size, dtype=dtype, device=device)
+                rec_shape = (1, g.num_v_heads, g.head_k_dim, g.head_v_dim)
+                self.rec[idx] = torch.zeros(rec_shape, dtype=torch.float32, device=device)
+                self.rec_capture[idx] = torch.zeros((max_window, *rec_shape), dtype=torch.float32, device=device)
+                self.gdn_layers.append(idx)
+
+    @torch.no_grad()
+    def load_from_cache(self, cache, length: int) -> None:
+        """Copy an HF DynamicCache (after the prompt's prefill) into the static buffers."""
+        if length > self.capacity:
+            raise ValueError(f"prompt of {length} tokens exceeds the runtime's capacity {self.capacity}")
+        for idx in self.attn_layers:
+            layer = cache.layers[idx]
+            self.keys[idx][:, :, :length].copy_(layer.keys)
+            self.values[idx][:, :, :length].copy_(layer.values)
+        for idx in self.gdn_layers:
+            layer = cache.layers[idx]
+            self.conv[idx].copy_(layer.conv_states[0])
+            self.rec[idx].copy_(layer.recurrent_states[0])
+
+    def nbytes(self) -> int:
+        tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.rec.values(),
+                   *self.rec_capture.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
