@@ -29,9 +29,17 @@ class FastSerialDecoder:
         return {"capacity": rt.capacity if rt else self.capacity, "graphs": bool(rt and rt.use_graphs),
                 "calibration": rt.cal.to_json() if rt else None}
 
+    def ensure_capacity(self, needed: int) -> ExactRuntime:
+        """Static buffers are sized up front; a longer request gets a larger runtime (rounded up
+        to 1024 positions), never a silent overflow."""
+        if needed > self.runtime.capacity:
+            self.runtime = ExactRuntime(self.model, capacity=-(-needed // 1024) * 1024, windows=(1,),
+                                        cal=self.runtime.cal)
+        return self.runtime
+
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        rt = self.runtime
+        rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + 1)
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
         logits, _ = rt.prefill(prompt_ids)

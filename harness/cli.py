@@ -20,6 +20,8 @@ def quiet_libraries() -> None:
 
 
 def fail(message: str, code: int = 2):
+    # one line even when the message embeds a library's multi-line exception text
+    message = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -84,16 +86,32 @@ def list_cmd():
 @click.option("--force", is_flag=True, help="Replace an existing DIR/stream.jsonl.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed recorded in the header and set "
               "before decoding (greedy decoding itself uses no randomness).")
+@click.option("--report", is_flag=True, help="After writing the stream, also render DIR/report.md and "
+              "DIR/figures/ (as `reports render DIR` does).")
 def time_cmd(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
-             out_dir, force, seed):
+             out_dir, force, seed, report):
     """Time DECODER against the serial control on every prompt, side by side in one process.
 
     Per prompt: an untimed warm-up of both, then LEGS timed decodes of each in ABBA order, each
     timed around the whole decode with device synchronisation, peak memory recorded on CUDA.
     Writes DIR/stream.jsonl atomically and prints tokens/s, ratio and acceptance per prompt.
     """
-    run_cli(lambda: run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit,
-                             warmup_tokens, device, out_dir, force, seed))
+    stream_path = run_cli(lambda: run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit,
+                                           warmup_tokens, device, out_dir, force, seed))
+    if report:
+        render_report(stream_path.parent)
+
+
+def render_report(run_dir: Path) -> None:
+    """``--report``: runs only after the stream is committed, so a failed render cannot cost the stream."""
+    from reports.render import render_run
+
+    try:
+        summary = render_run(run_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the stream is already on disk
+        fail(f"the stream is intact, but the report could not be rendered ({type(exc).__name__}: {exc}); "
+             f"retry with `reports render {run_dir}`", 1)
+    click.echo(f"report: {summary['report']}")
 
 
 def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
@@ -187,6 +205,7 @@ def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
         writer.commit()
     click.echo(render_table(summaries, median_ratio, candidate.name))
     click.echo(f"wrote {stream_path}  (check it: audit replay {stream_path})")
+    return stream_path
 
 
 def render_table(summaries, median_ratio: float, candidate_name: str) -> str:

@@ -20,6 +20,9 @@ PINNED = {
     "cudnn_allow_tf32": False,
     "cudnn_deterministic": True,
     "cudnn_benchmark": False,
+    # deterministic mode fills every torch.empty with NaN by default: extra kernels, no effect on
+    # the arithmetic of correct code, so it is switched off for control and candidate alike
+    "fill_uninitialized_memory": False,
 }
 
 
@@ -42,6 +45,7 @@ def pin() -> dict:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    torch.utils.deterministic.fill_uninitialized_memory = False
     return current()
 
 
@@ -54,6 +58,7 @@ def current() -> dict:
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         # recorded, not pinned: it changes GEMM bits, so a run records what it ran with
         "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
     }

@@ -1,0 +1,10 @@
+"""``reports``: turn a run directory (``stream.jsonl``, and ``audit.json`` where present) into
+``report.md`` plus PNG figures.
+
+  load.py      read and check the inputs (``load_run``); bad or partial input is a ``UserError``
+  summary.py   every number the report shows, recomputed from the raw records (``summarize_run``)
+  figures.py   one ``plot_*`` function per figure, headless (Agg), built from the summary
+  markdown.py  the report text (``write_report``), built from the summary alone
+  render.py    ``render_run``: all of the above into a temporary directory, then moved into place
+  cli.py       ``reports render RUN_DIR``
+"""

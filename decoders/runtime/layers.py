@@ -36,13 +36,27 @@ def linear(lin: torch.nn.Linear, x: torch.Tensor, cal) -> torch.Tensor:
     return rows(lin, x, 1, cal.gemm_rows(lin))
 
 
-def rms_norm(norm, x: torch.Tensor, cal) -> torch.Tensor:
-    """Qwen3_5RMSNorm (zero-centred weight), its statistic computed in row chunks where unproven."""
+_CONSTANTS: dict = {}
+
+
+def constant(module, name: str, make):
+    """A weight-only tensor HF recomputes on every call (e.g. ``1.0 + weight.float()``), computed
+    once with the same ops, so the same bits, and kept: fewer kernels per step."""
+    key = (id(module), name)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = (module, make())  # holding the module keeps its id unique
+    return _CONSTANTS[key][1]
+
+
+def rms_norm(norm, x: torch.Tensor, cal, batch: int | None = None) -> torch.Tensor:
+    """Qwen3_5RMSNorm (zero-centred weight) over x's last dim, rows along dim 1; the statistic is
+    computed in row chunks of ``batch`` (default: the hidden-size proof)."""
+    batch = cal.hidden_mean if batch is None else batch
     xf = x.float()
     sq = xf.pow(2)
-    var = rows(lambda t: t.mean(-1, keepdim=True), sq, 1, cal.hidden_mean)
+    var = rows(lambda t: t.mean(-1, keepdim=True), sq, 1, batch)
     out = xf * ew(torch.rsqrt, var + norm.eps, 1, cal)
-    out = out * (1.0 + norm.weight.float())
+    out = out * constant(norm, "scale", lambda: 1.0 + norm.weight.float())
     return out.type_as(x)
 
 
@@ -71,11 +85,12 @@ def serial_sdpa(attn, query, key, value) -> torch.Tensor:
 # --------------------------------------------------------------------------- Gated-DeltaNet
 
 
-def gdn_window(mod, x, conv_state, rec_state, cal, rec_capture=None):
+def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
     """Gated-DeltaNet token mixer over w rows. Updates ``conv_state`` and ``rec_state`` in place to
-    the state after the last row. Returns (output [1,w,H], conv_cat [1,C,K+w]); the conv state after
-    row i is ``conv_cat[..., i+1:i+1+K]``, and with ``rec_capture`` ([>=w,1,Hv,dk,dv]) the recurrent
-    state after row i is left in ``rec_capture[i]``: that is what rollback restores."""
+    the state after the last row and returns the output [1,w,H]. ``conv_cat`` ([1,C,K+w]) receives
+    [conv state ++ window inputs], so the conv state after row i is ``conv_cat[..., i+1:i+1+K]``;
+    with ``rec_capture`` ([>=w,1,Hv,dk,dv]) the recurrent state after row i is left in
+    ``rec_capture[i]``. Those two are what rollback restores."""
     w = x.shape[1]
     qkv = linear(mod.in_proj_qkv, x, cal)
     z = linear(mod.in_proj_z, x, cal).reshape(1, w, -1, mod.head_v_dim)
@@ -85,7 +100,7 @@ def gdn_window(mod, x, conv_state, rec_state, cal, rec_capture=None):
     # transformers' causal_conv1d_update, over the whole window at once where proven
     k = conv_state.shape[-1]
     weight = mod.conv1d.weight.squeeze(1).unsqueeze(1)
-    cat = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1).to(weight.dtype)
+    cat = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1, out=conv_cat).to(weight.dtype)
     conv_state.copy_(cat[:, :, -k:])
     act = ACT2FN[mod.activation]
     if w == 1 or cal.conv_window:
@@ -94,24 +109,26 @@ def gdn_window(mod, x, conv_state, rec_state, cal, rec_capture=None):
     else:  # the serial update rule, token by token, activation in the serial layout
         conv = torch.cat([act(F.conv1d(cat[:, :, i:i + k + 1].contiguous(), weight, mod.conv1d.bias, padding=0,
                                        groups=mod.conv_dim)[:, :, -1:]) for i in range(w)], dim=-1)
-    mixed = conv.to(qkv.dtype).transpose(1, 2)
-
+    # HF casts the conv output to bf16, splits it, repeats q/k heads, then converts q, k, v to fp32
+    # one by one; casting once before the split gives the same values with fewer kernels
+    mixed = conv.to(qkv.dtype).float().transpose(1, 2)
     query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(1, w, -1, mod.head_k_dim)
     key = key.reshape(1, w, -1, mod.head_k_dim)
     value = value.reshape(1, w, -1, mod.head_v_dim)
     beta = ew(torch.sigmoid, b, 1, cal)
-    g = -mod.A_log.float().exp() * ew(F.softplus, a.float() + mod.dt_bias, 1, cal)
+    neg_a = constant(mod, "neg_A", lambda: -mod.A_log.float().exp())
+    g = neg_a * ew(F.softplus, a.float() + mod.dt_bias, 1, cal)
     if mod.num_v_heads // mod.num_k_heads > 1:
         query = query.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
         key = key.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
 
-    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture)
+    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype)
     core = core.reshape(-1, mod.head_v_dim)
     z = z.reshape(-1, mod.head_v_dim)
     core = gated_norm(mod, core, z, w, cal.gated_norm)
     core = core.reshape(1, w, -1)
-    return linear(mod.out_proj, core, cal), cat
+    return linear(mod.out_proj, core, cal)
 
 
 def gated_norm(mod, core, z, w: int, batch: int):
@@ -123,20 +140,21 @@ def gated_norm(mod, core, z, w: int, batch: int):
                       for i in range(0, w, batch)], dim=0)
 
 
-def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None):
+def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None, out_dtype=None):
     """transformers' torch_recurrent_gated_delta_rule (q/k L2-normed in the kernel), token by token,
-    starting from ``rec_state`` and writing the final state back into it."""
+    starting from ``rec_state`` and leaving the final state in it. q, k, v may already be fp32."""
     w = query.shape[1]
-    initial_dtype = query.dtype
-    query, key, value, beta, decay = [
+    out_dtype = out_dtype or query.dtype
+    query, key, beta, decay = [
         t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for t in (query, key, value, beta, g)
+        for t in (query, key, beta, g)
     ]
+    value = value.transpose(1, 2).to(torch.float32)  # only ever read elementwise: layout is free
     query = rows(l2norm, query, 2, cal.l2norm)
     key = rows(l2norm, key, 2, cal.l2norm)
     query = query / (query.shape[-1] ** 0.5)
     state = rec_state.to(value)
-    core = torch.zeros_like(value)
+    outs = []
     decay_exp = decay.exp() if cal.elementwise or w == 1 else None
     for i in range(w):
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
@@ -146,12 +164,16 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None)
         beta_t = beta[:, :, i].unsqueeze(-1)
         kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
         delta = (v_t - kv_mem) * beta_t
-        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        core[:, :, i] = (state * q_t.unsqueeze(-1)).sum(dim=-2)
-        if rec_capture is not None:
-            rec_capture[i].copy_(state)
-    rec_state.copy_(state)
-    return core.transpose(1, 2).contiguous().to(initial_dtype)
+        if i == w - 1:  # the last update lands in the live state itself (HF: new tensor, then copy_)
+            state = torch.add(state, k_t.unsqueeze(-1) * delta.unsqueeze(-2), out=rec_state)
+        else:
+            state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+            if rec_capture is not None:  # accepting every row needs no capture of the last
+                rec_capture[i].copy_(state)
+        outs.append((state * q_t.unsqueeze(-1)).sum(dim=-2))
+    # [1,Hv,w,dv] like HF's zero-filled output buffer, built without the fill and the copies
+    core = outs[0].unsqueeze(2) if w == 1 else torch.stack(outs, dim=2)
+    return core.transpose(1, 2).contiguous().to(out_dtype)
 
 
 # --------------------------------------------------------------------------- gated attention
@@ -163,9 +185,10 @@ def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal):
     w = x.shape[1]
     hd = mod.head_dim
     query, gate = torch.chunk(linear(mod.q_proj, x, cal).view(1, w, -1, hd * 2), 2, dim=-1)
-    gate = gate.reshape(1, w, -1)
-    query = rows(mod.q_norm, query.view(1, w, -1, hd), 1, cal.head_norm).transpose(1, 2)
-    key = rows(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), 1, cal.head_norm).transpose(1, 2)
+    if not cal.elementwise:  # HF's contiguous gate, so that sigmoid sees the serial layout
+        gate = gate.reshape(1, w, -1)
+    query = rms_norm(mod.q_norm, query.view(1, w, -1, hd), cal, cal.head_norm).transpose(1, 2)
+    key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, cal.head_norm).transpose(1, 2)
     value = linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2)
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     kbuf.index_copy_(2, positions, key)
@@ -186,7 +209,9 @@ def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, conti
 
 
 def attention_post(mod, attn_out, gate, cal):
-    return linear(mod.o_proj, attn_out * ew(torch.sigmoid, gate, 1, cal), cal)
+    w = attn_out.shape[1]
+    gated = attn_out.view(gate.shape) * ew(torch.sigmoid, gate, 1, cal)
+    return linear(mod.o_proj, gated.view(1, w, -1), cal)
 
 
 def mlp(mod, x, cal):

@@ -26,6 +26,9 @@ class WindowProgram:
         self.attn_out = {idx: torch.zeros(1, w, lm.config.num_attention_heads * lm.model.layers[idx].self_attn.head_dim,
                                           dtype=lm.lm_head.weight.dtype, device=dev)
                          for idx in state.attn_layers}
+        # [state ++ window] conv inputs of every Gated-DeltaNet layer: rollback gathers from here
+        conv_all = state.conv_all
+        self.conv_cat = torch.zeros((*conv_all.shape[:-1], conv_all.shape[-1] + w), dtype=conv_all.dtype, device=dev)
         self.ws: dict = {}  # tensors passed between steps; on the GPU their addresses are the graphs'
         self.segments = self._build()
         self.graphs = None
@@ -59,8 +62,8 @@ class WindowProgram:
         x = self.ws["x"]
         h = L.rms_norm(layer.input_layernorm, x, self.cal)
         cap = self.state.rec_capture[idx] if self.capture_states else None
-        h, cat = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal, cap)
-        self.ws[("conv_cat", idx)] = cat
+        h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal,
+                         self.conv_cat[self.state.slot[idx]], cap)
         self._mlp(layer, x + h)
 
     def _attn_pre(self, idx):

@@ -59,7 +59,11 @@ class ExactRuntime:
         if key not in self.programs:
             prog = WindowProgram(self.model, self.state, self.rope, self.cal, w, capture_states=capture)
             if self.use_graphs:
+                # capturing runs the forward eagerly to warm up, which writes state: keep the live
+                # state intact for a program built mid-decode
+                saved = self.state.snapshot()
                 prog.capture(self.pool, start=0)
+                self.state.restore(saved)
             self.programs[key] = prog
         return self.programs[key]
 
@@ -104,6 +108,8 @@ class ExactRuntime:
         """Run a window over ``tokens`` [1,w] at positions length..length+w-1, capturing the state
         after every row; nothing is committed until ``accept``."""
         w = tokens.shape[-1]
+        if not 1 <= w <= self.max_window:
+            raise ValueError(f"window of {w} tokens outside 1..{self.max_window}")
         self._check_room(w)
         prog = self.program(w, capture=True)
         prog.tokens.copy_(tokens.view(1, w))
@@ -120,13 +126,11 @@ class ExactRuntime:
         w = prog.w
         if not 1 <= rows <= w:
             raise ValueError(f"accept({rows}) outside 1..{w}")
-        if rows < w:
+        if rows < w:  # two strided copies: the states captured after row rows-1
             st = self.state
-            k = next(iter(st.conv.values())).shape[-1] if st.conv else 0
-            dst = [st.rec[i] for i in st.gdn_layers] + [st.conv[i] for i in st.gdn_layers]
-            src = [st.rec_capture[i][rows - 1] for i in st.gdn_layers] + \
-                  [prog.ws[("conv_cat", i)][:, :, rows:rows + k] for i in st.gdn_layers]
-            torch._foreach_copy_(dst, src)
+            k = st.conv_all.shape[-1]
+            st.rec_all.unsqueeze(1).copy_(st.rec_capture_all[:, rows - 1:rows])
+            st.conv_all.copy_(prog.conv_cat[..., rows:rows + k])
         self.length += rows
         self.last_verify = None
 

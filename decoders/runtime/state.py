@@ -17,8 +17,9 @@ class StaticState:
         self.capacity = capacity
         self.attn_layers, self.gdn_layers = [], []
         self.keys, self.values = {}, {}
-        self.conv, self.rec, self.rec_capture = {}, {}, {}
+        self.conv, self.rec, self.rec_capture, self.slot = {}, {}, {}, {}
         dtype = backbone.lm_head.weight.dtype
+        gdn = []
         for idx, layer in enumerate(backbone.model.layers):
             if hasattr(layer, "self_attn"):
                 a = layer.self_attn
@@ -27,12 +28,22 @@ class StaticState:
                 self.values[idx] = torch.zeros(shape, dtype=dtype, device=device)
                 self.attn_layers.append(idx)
             else:
-                g = layer.linear_attn
-                self.conv[idx] = torch.zeros(1, g.conv_dim, g.conv_kernel_size, dtype=dtype, device=device)
-                rec_shape = (1, g.num_v_heads, g.head_k_dim, g.head_v_dim)
-                self.rec[idx] = torch.zeros(rec_shape, dtype=torch.float32, device=device)
-                self.rec_capture[idx] = torch.zeros((max_window, *rec_shape), dtype=torch.float32, device=device)
-                self.gdn_layers.append(idx)
+                gdn.append((idx, layer.linear_attn))
+        # Gated-DeltaNet states of all layers live in one tensor each (per-layer views), so that
+        # a rollback is one gather per kind of state instead of one copy per layer.
+        n = len(gdn)
+        g = gdn[0][1] if gdn else None
+        conv_shape = (1, g.conv_dim, g.conv_kernel_size) if g else (1, 1, 1)
+        rec_shape = (1, g.num_v_heads, g.head_k_dim, g.head_v_dim) if g else (1, 1, 1, 1)
+        self.conv_all = torch.zeros((n, *conv_shape), dtype=dtype, device=device)
+        self.rec_all = torch.zeros((n, *rec_shape), dtype=torch.float32, device=device)
+        self.rec_capture_all = torch.zeros((n, max_window, *rec_shape), dtype=torch.float32, device=device)
+        for slot, (idx, _) in enumerate(gdn):
+            self.slot[idx] = slot
+            self.conv[idx] = self.conv_all[slot]
+            self.rec[idx] = self.rec_all[slot]
+            self.rec_capture[idx] = self.rec_capture_all[slot]
+            self.gdn_layers.append(idx)
 
     @torch.no_grad()
     def load_from_cache(self, cache, length: int) -> None:
@@ -48,7 +59,15 @@ class StaticState:
             self.conv[idx].copy_(layer.conv_states[0])
             self.rec[idx].copy_(layer.recurrent_states[0])
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(self.tensors(), saved)
+
     def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.rec.values(),
-                   *self.rec_capture.values()]
+        tensors = [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all, self.rec_capture_all]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,229 @@
+"""Exact-runtime benchmark: control vs fast-serial step vs verify windows vs rollback, one process.
+
+    python bench/runtime_bench.py [--model synthetic-9b] [--prompt-len 512] [--positions 256]
+
+Measures, on one prompt: the control's ms/token (HF serial, DynamicCache); the fast-serial step's
+ms/token and the weight bandwidth it achieves; the cost of a verify window of w = 1..8 relative to
+one fast-serial step; the cost of a rollback; peak memory of each; and checks that every logit the
+runtime computed (steps and every window row) is bit-identical to the control's at that position.
+Prints a table last; --json writes every raw number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import determinism  # noqa: E402
+
+determinism.pin()
+
+import torch  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def peak_reset(dev):
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak(dev):
+    return torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+
+
+def weight_bytes_per_token(lm) -> int:
+    """Bytes a decode step must stream: every parameter except the embedding table (one row)."""
+    total = sum(p.numel() * p.element_size() for p in lm.parameters())
+    emb = lm.model.embed_tokens.weight
+    return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+
+
+@torch.inference_mode()
+def control_stream(model, prompt, n):
+    """The control: HF forward, DynamicCache, one token per forward. Returns tokens, logits per
+    position ([n, V]), ms/token, peak bytes."""
+    from transformers import DynamicCache
+
+    lm, dev = model.backbone, model.device
+    peak_reset(dev)
+    cache = DynamicCache(config=lm.config)
+    out = lm(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens, logits, times = [], [], []
+    for _ in range(n):
+        row = out.logits[:, -1]
+        logits.append(row.clone())
+        tok = row.argmax(-1)
+        tokens.append(int(tok.item()))
+        sync(dev)
+        t0 = time.perf_counter()
+        out = lm(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out.logits[:, -1].argmax(-1).item()
+        times.append(time.perf_counter() - t0)
+    return tokens, torch.cat(logits), times, peak(dev)
+
+
+@torch.inference_mode()
+def fast_serial_pass(rt, prompt, tokens, ref):
+    dev = rt.device
+    logits, _ = rt.prefill(prompt)
+    equal = [torch.equal(logits, ref[0:1])]
+    times = []
+    for i, t in enumerate(tokens[:-1]):
+        sync(dev)
+        t0 = time.perf_counter()
+        prog = rt.step(torch.tensor([[t]], device=dev))
+        prog.ws["argmax"].item()
+        times.append(time.perf_counter() - t0)
+        equal.append(torch.equal(prog.ws["logits"][:, -1], ref[i + 1:i + 2]))
+    return equal, times
+
+
+@torch.inference_mode()
+def window_pass(rt, prompt, tokens, ref, w):
+    """Verify windows of w true tokens along the stream, accepting all; time each window."""
+    dev = rt.device
+    rt.prefill(prompt)
+    equal, times, c = [], [], 0
+    while c + w <= len(tokens) - 1:
+        block = torch.tensor([tokens[c:c + w]], device=dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        prog = rt.verify(block)
+        prog.ws["argmax"].view(-1)[-1].item()
+        times.append(time.perf_counter() - t0)
+        for i in range(w):
+            equal.append(torch.equal(prog.ws["logits"][:, i], ref[c + i + 1:c + i + 2]))
+        rt.accept(w)
+        c += w
+    return equal, times
+
+
+@torch.inference_mode()
+def rollback_pass(rt, prompt, tokens, w=8, reps=20):
+    dev = rt.device
+    rt.prefill(prompt)
+    times = []
+    for c in range(min(reps, len(tokens) - w)):
+        rt.verify(torch.tensor([tokens[c:c + w]], device=dev))
+        sync(dev)
+        t0 = time.perf_counter()
+        rt.accept(1)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@torch.inference_mode()
+def profile_step(rt, tokens):
+    """Kernel-time breakdown of eager runs of the step program (the kernels the graphs replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prog = rt.program(1, capture=False)
+    prog.tokens.fill_(tokens[0])
+    prog._run_eager()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            prog._run_eager()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in events) / 3
+    launches = sum(e.count for e in events) / 3
+    print(f"profile: {total / 1e3:.2f} ms GPU time per step in {launches:.0f} kernels", flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
+        print(f"  {e.device_time_total / 3e3:7.3f} ms  {e.count / 3:6.0f}x  {e.key[:100]}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="synthetic-9b")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--positions", type=int, default=256, help="generated tokens checked bitwise")
+    ap.add_argument("--max-window", type=int, default=8)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernel-time breakdown of one step")
+    args = ap.parse_args()
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from decoders.runtime.runtime import ExactRuntime
+    from harness.models import device_name, load_model
+
+    model = load_model(args.model, args.device)
+    dev, lm = model.device, model.backbone
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    print(f"model {args.model} on {device_name(dev)}; prompt {len(prompt)}, {args.positions} positions", flush=True)
+
+    tokens, ref, ctl_times, ctl_peak = control_stream(model, prompt, args.positions)
+    print(f"control: {1e3 * statistics.median(ctl_times):.2f} ms/token", flush=True)
+
+    t0 = time.perf_counter()
+    peak_reset(dev)
+    rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
+                      windows=tuple(range(1, args.max_window + 1)))
+    setup_s = time.perf_counter() - t0
+    print(f"runtime ready in {setup_s:.1f}s; calibration {json.dumps(rt.cal.to_json())}", flush=True)
+
+    peak_reset(dev)
+    step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)
+    fast_peak = peak(dev)
+    step_ms = 1e3 * statistics.median(step_times)
+    print(f"fast-serial: {step_ms:.2f} ms/token, bit-equal {sum(step_equal)}/{len(step_equal)}", flush=True)
+
+    windows = {}
+    for w in range(1, args.max_window + 1):
+        eq, times = window_pass(rt, prompt, tokens, ref, w)
+        windows[w] = {"equal": sum(eq), "checked": len(eq), "ms": 1e3 * statistics.median(times)}
+        print(f"window w={w}: {windows[w]['ms']:.2f} ms ({windows[w]['ms'] / step_ms:.2f}x step), "
+              f"bit-equal {sum(eq)}/{len(eq)}", flush=True)
+    rb = rollback_pass(rt, prompt, tokens, w=min(8, args.max_window))
+    rb_ms = 1e3 * statistics.median(rb)
+
+    if args.profile and dev.type == "cuda":
+        profile_step(rt, tokens)
+
+    bpt = weight_bytes_per_token(lm)
+    result = {
+        "model": args.model, "device": device_name(dev), "prompt_len": len(prompt), "positions": args.positions,
+        "control_ms": 1e3 * statistics.median(ctl_times), "fast_serial_ms": step_ms,
+        "weight_bytes_per_token": bpt, "fast_serial_GBps": bpt / (step_ms / 1e3) / 1e9,
+        "control_GBps": bpt / statistics.median(ctl_times) / 1e9,
+        "windows": windows, "rollback_ms": rb_ms, "runtime_setup_s": setup_s,
+        "control_peak_bytes": ctl_peak, "fast_peak_bytes": fast_peak,
+        "state_bytes": rt.state.nbytes(), "calibration": rt.cal.to_json(),
+        "step_bit_equal": [sum(step_equal), len(step_equal)],
+        "raw": {"control_s": ctl_times, "step_s": step_times, "rollback_s": rb},
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+    gb = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    total_eq = sum(step_equal) + sum(v["equal"] for v in windows.values())
+    total_ck = len(step_equal) + sum(v["checked"] for v in windows.values())
+    print("\n| what | ms | x step | GB/s | peak | bit-equal |")
+    print("|---|---|---|---|---|---|")
+    print(f"| control (HF serial) | {result['control_ms']:.2f} | {result['control_ms'] / step_ms:.2f} | "
+          f"{result['control_GBps']:.0f} | {gb(ctl_peak)} | ref |")
+    print(f"| fast-serial step | {step_ms:.2f} | 1.00 | {result['fast_serial_GBps']:.0f} | {gb(fast_peak)} | "
+          f"{sum(step_equal)}/{len(step_equal)} |")
+    for w, v in windows.items():
+        print(f"| verify w={w} | {v['ms']:.2f} | {v['ms'] / step_ms:.2f} | | | {v['equal']}/{v['checked']} |")
+    print(f"| rollback (after w={min(8, args.max_window)}, keep 1) | {rb_ms:.3f} | {rb_ms / step_ms:.3f} | | | |")
+    print(f"all runtime logits bit-equal to control: {total_eq}/{total_ck}")
+
+
+if __name__ == "__main__":
+    main()
