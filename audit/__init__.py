@@ -1,0 +1,19 @@
+"""Independent audit of a harness run: ``audit replay STREAM``.
+
+The audit trusts no number the harness computed. From the raw records of ``stream.jsonl`` it
+replays every emitted token stream through its own pristine serial greedy path (HF forward,
+DynamicCache, one token per forward), recomputes every timing ratio from the raw legs, checks
+the file for tampering and truncation, and scores the run.
+
+Import rule: the audit may use ``harness.schema``, ``harness.models``, ``harness.determinism``
+and ``harness.errors`` (the file format, the model loader, the pinned configuration). It never
+imports ``harness.timing``, ``harness.cli`` or anything in ``decoders``: a bug there must not be
+able to hide itself from the audit. ``tests/test_audit_imports.py`` enforces this.
+
+Modules:
+  stream   turn records into a per-prompt structure; structural problems are bad input
+  checks   pure checks over that structure (timing, tamper, ratios, memory, warm legs, score)
+  replay   the pristine serial greedy replay
+  report   the audit.json document and the human table
+  cli      the ``audit`` command
+"""

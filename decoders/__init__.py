@@ -16,6 +16,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
                    "baseline MTP speculation: fixed k=3 drafts, batched HF verify, repair by re-running"),
     "fast-serial": ("decoders.fast_serial:FastSerialDecoder",
                     "exact serial decoding on the fast runtime: static state, CUDA-graphed steps"),
+    "spec": ("decoders.spec:SpecDecoder",
+             "exact MTP speculation: persistent head cache, adaptive depth, bit-exact verify windows, "
+             "rollback from captured state (args: max_depth, depth, shortlist, explore_every)"),
+    "spec-instrument": ("decoders.spec:InstrumentedSpecDecoder",
+                        "benchmark instrument: spec with drafts replaced by the control's token with "
+                        "probability alpha (arg: alpha); never scored by the audit"),
 }
 DEFAULT_DECODER = "spec-naive"
 CONTROL = "serial"
@@ -35,8 +41,34 @@ def _import(target: str):
         raise UserError(f"decoder {target!r}: {mod_name} has no attribute {attr!r}") from None
 
 
-def get_decoder(spec: str):
-    """A fresh decoder object for a registered name or a ``module:attr`` reference."""
+def parse_decoder_args(pairs) -> dict:
+    """``KEY=VALUE`` strings to keyword arguments; values are read as int, float, true/false/none,
+    else kept as strings."""
+    out = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise UserError(f"decoder argument {pair!r}: expected KEY=VALUE")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[key] = value
+    return out
+
+
+def get_decoder(spec: str, **kwargs):
+    """A fresh decoder object for a registered name or a ``module:attr`` reference; ``kwargs``
+    (from ``--decoder-arg``) go to its constructor."""
     if spec in REGISTRY:
         factory = _import(REGISTRY[spec][0])
     elif ":" in spec:
@@ -45,7 +77,14 @@ def get_decoder(spec: str):
         known = ", ".join(sorted(REGISTRY))
         raise UserError(f"unknown decoder {spec!r}; registered: {known}; or give 'package.module:attr'")
     # a class or factory function is called; an already-built decoder object is used as it is
-    decoder = factory() if callable(factory) else factory
+    if kwargs and not callable(factory):
+        raise UserError(f"decoder {spec!r} is a built object and takes no arguments")
+    try:
+        decoder = factory(**kwargs) if callable(factory) else factory
+    except (TypeError, ValueError) as exc:
+        if not kwargs:
+            raise
+        raise UserError(f"decoder {spec!r} rejected its arguments {kwargs}: {exc}") from None
     for attr in ("name", "prepare", "decode", "config"):
         if not hasattr(decoder, attr):
             raise UserError(f"decoder {spec!r} does not follow the protocol: it has no {attr!r}")

@@ -68,6 +68,8 @@ def list_cmd():
 @click.option("--decoder", "decoder_spec", default=None, metavar="NAME",
               help="Candidate decoder: a registered name (see `harness list`) or package.module:attr. "
                    "Default: spec-naive.")
+@click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
+              help="Constructor argument for the candidate decoder (repeatable), e.g. max_depth=4.")
 @click.option("--model", "model_spec", default="tiny", show_default=True, metavar="MODEL",
               help="Built-in model name (tiny, synthetic-9b) or a Qwen3.5 checkpoint directory.")
 @click.option("--prompts", "prompts_spec", default=None, metavar="PROMPTS",
@@ -88,7 +90,7 @@ def list_cmd():
               "before decoding (greedy decoding itself uses no randomness).")
 @click.option("--report", is_flag=True, help="After writing the stream, also render DIR/report.md and "
               "DIR/figures/ (as `reports render DIR` does).")
-def time_cmd(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
+def time_cmd(decoder_spec, decoder_args, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
              out_dir, force, seed, report):
     """Time DECODER against the serial control on every prompt, side by side in one process.
 
@@ -97,7 +99,7 @@ def time_cmd(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
     Writes DIR/stream.jsonl atomically and prints tokens/s, ratio and acceptance per prompt.
     """
     stream_path = run_cli(lambda: run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit,
-                                           warmup_tokens, device, out_dir, force, seed))
+                                           warmup_tokens, device, out_dir, force, seed, decoder_args))
     if report:
         render_report(stream_path.parent)
 
@@ -115,14 +117,14 @@ def render_report(run_dir: Path) -> None:
 
 
 def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
-             out_dir, force, seed):
+             out_dir, force, seed, decoder_args=()):
     from harness import determinism  # pins before anything touches CUDA
 
     settings = determinism.pin()
     quiet_libraries()
     import torch
 
-    from decoders import CONTROL, DEFAULT_DECODER, get_decoder
+    from decoders import CONTROL, DEFAULT_DECODER, get_decoder, parse_decoder_args
     from harness.models import device_name, load_model
     from harness.prompts import load_prompts
     from harness.schema import SCHEMA, AtomicJsonlWriter
@@ -136,15 +138,15 @@ def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
         raise UserError(f"{stream_path} exists; pass --force to replace it or choose another --out")
 
     control = get_decoder(CONTROL)
-    candidate = get_decoder(decoder_spec)
+    kwargs = parse_decoder_args(decoder_args)
+    candidate = get_decoder(decoder_spec, **kwargs)
     click.echo(f"loading model {model_spec} ...", err=True)
     model = load_model(model_spec, device)
     dev = model.device
     if max_new_tokens is None:
         max_new_tokens = 512 if dev.type == "cuda" else 64
     prompts, prompt_info = load_prompts(prompts_spec, model, limit)
-    control.prepare(model)
-    candidate.prepare(model)
+    resident = {role: resident_bytes(dec, model, dev) for role, dec in (("control", control), ("candidate", candidate))}
     torch.manual_seed(seed)
 
     header = {
@@ -163,13 +165,17 @@ def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
         },
         "determinism": settings,
         "control": {"name": control.name, "config": control.config()},
-        "candidate": {"name": candidate.name, "spec": decoder_spec, "config": candidate.config(),
+        "candidate": {"name": candidate.name, "spec": decoder_spec, "args": kwargs, "config": candidate.config(),
                       "instrument": bool(getattr(candidate, "instrument", False))},
         "prompts": prompt_info,
         "max_new_tokens": max_new_tokens,
         "legs": legs,
         "warmup_tokens": warmup_tokens,
         "seed": seed,
+        # Both decoders live in this process, so a leg's allocator peak also holds the other
+        # decoder's persistent buffers (static caches, graph pools): recorded here so that a leg's
+        # own peak is its raw peak minus the other decoder's resident bytes (null on CPU).
+        "memory": {"resident_bytes": resident},
     }
     extra_header = getattr(candidate, "header_extra", None)
     if callable(extra_header):
@@ -206,6 +212,20 @@ def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
     click.echo(render_table(summaries, median_ratio, candidate.name))
     click.echo(f"wrote {stream_path}  (check it: audit replay {stream_path})")
     return stream_path
+
+
+def resident_bytes(decoder, model, dev):
+    """Prepare ``decoder`` and return the device memory it keeps allocated (None off CUDA)."""
+    import torch
+
+    if dev.type != "cuda":
+        decoder.prepare(model)
+        return None
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    decoder.prepare(model)
+    torch.cuda.synchronize(dev)
+    return max(0, torch.cuda.memory_allocated(dev) - before)
 
 
 def render_table(summaries, median_ratio: float, candidate_name: str) -> str:

@@ -253,6 +253,9 @@ def eos_ids(path: Path, config) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 class TokenizerRef:
     """Loads the checkpoint's tokenizer on first use, so token-id prompts need none."""
 
@@ -264,6 +267,11 @@ class TokenizerRef:
         if self._tok is None:
             from transformers import AutoTokenizer
 
+            # transformers 5 builds an empty tokenizer (no vocabulary) from a directory without
+            # tokenizer files instead of failing; every text would then encode to nothing.
+            if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+                raise UserError(f"{self.path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                "copy them from the release or give prompts as token_ids")
             try:
                 self._tok = AutoTokenizer.from_pretrained(str(self.path))
             except Exception as exc:

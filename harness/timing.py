@@ -61,6 +61,11 @@ def time_prompt(prompt, decoders: dict, max_new_tokens: int, legs: int, warmup_t
     """Warm up both decoders on the prompt, then run ``legs`` legs of each in ABBA order.
     Returns the leg records in the order they ran."""
     for role in ("control", "candidate"):
+        # untimed per-prompt preparation, used only by benchmark instruments (which the audit
+        # refuses to score): a real decoder that did work here would be hiding it from the clock
+        prepare_prompt = getattr(decoders[role], "prepare_prompt", None)
+        if callable(prepare_prompt):
+            prepare_prompt(prompt.token_ids, max_new_tokens)
         if warmup_tokens > 0:
             decoders[role].decode(prompt.token_ids, min(warmup_tokens, max_new_tokens))
     records, seen = [], {"control": 0, "candidate": 0}

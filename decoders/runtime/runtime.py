@@ -35,6 +35,9 @@ class ExactRuntime:
         for w in windows:
             self.program(w, capture=w > 1)
         self.length = 0  # tokens whose state is committed
+        self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
+        self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
+        self._rollback_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.last_verify: WindowProgram | None = None
 
     # ------------------------------------------------------------------ setup
@@ -72,7 +75,8 @@ class ExactRuntime:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]):
         """The control's prefill (HF forward, DynamicCache, last-row logits), into static state.
-        Returns (logits [1,V], hidden [1,1,H]) of the last prompt position."""
+        Returns the last position's logits [1,V] and the hidden states of every prompt position
+        [1,P,H] (after the final norm: what the MTP head consumes)."""
         from transformers import DynamicCache
 
         lm = self.model.backbone
@@ -81,8 +85,8 @@ class ExactRuntime:
         cache = DynamicCache(config=lm.config)
         ids = torch.tensor([prompt_ids], device=self.device)
         out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state[:, -1:, :]
-        logits = lm.lm_head(hidden)
+        hidden = out.last_hidden_state
+        logits = lm.lm_head(hidden[:, -1:, :])
         self.state.load_from_cache(cache, len(prompt_ids))
         self.length = len(prompt_ids)
         return logits[:, -1], hidden
@@ -126,13 +130,36 @@ class ExactRuntime:
         w = prog.w
         if not 1 <= rows <= w:
             raise ValueError(f"accept({rows}) outside 1..{w}")
-        if rows < w:  # two strided copies: the states captured after row rows-1
-            st = self.state
-            k = st.conv_all.shape[-1]
-            st.rec_all.unsqueeze(1).copy_(st.rec_capture_all[:, rows - 1:rows])
-            st.conv_all.copy_(prog.conv_cat[..., rows:rows + k])
+        if rows < w:
+            self._rollback(prog, rows)
         self.length += rows
         self.last_verify = None
+
+    def _rollback(self, prog: WindowProgram, rows: int) -> None:
+        """Restore the states captured after row rows-1: 2 MB contiguous copies of the recurrent
+        states and one strided copy of the conv windows. On the GPU each (w, rows) pair is a
+        captured graph (one launch); its copies only move data between static buffers."""
+        def copies():
+            k = self.state.conv_all.shape[-1]
+            torch._foreach_copy_(self._rec_live, [cap[rows - 1] for cap in self._rec_caps])
+            self.state.conv_all.copy_(prog.conv_cat[..., rows:rows + k])
+
+        if not self.use_graphs:
+            copies()
+            return
+        key = (prog.w, rows)
+        graph = self._rollback_graphs.get(key)
+        if graph is None:
+            side = torch.cuda.Stream()  # warm-up outside the capture, as graph capture requires
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                copies()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                copies()
+            self._rollback_graphs[key] = graph
+        graph.replay()
 
     def _positions(self, start: int, w: int) -> torch.Tensor:
         if not hasattr(self, "_arange"):

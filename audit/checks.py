@@ -1,0 +1,443 @@
+"""Pure checks over a parsed run: no model, no torch, so most tests need neither.
+
+Each ``check_*`` returns a list of findings (dicts with check, severity, prompt_id, message and
+details). Every number is recomputed here from the raw leg records; the harness's own summaries
+are only compared against, never used.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from harness.schema import ROLES, abba_roles
+
+from audit.stream import BadInput, PromptRun, Run, is_int
+
+REL_TOL = 1e-9  # "beyond rounding": JSON round-trips floats exactly, so this is generous
+ABS_TOL = 1e-12
+# warm-leg heuristic: candidate's later legs much faster than its first while the control's are not
+WARM_CANDIDATE_MAX = 0.6
+WARM_CONTROL_MIN = 0.8
+# ... or a candidate speed-up over 10x the control's: no shared warm-up effect (or a noisy first
+# control leg, which would otherwise excuse it) explains that, a lookup does
+WARM_RELATIVE_MAX = 0.1
+
+# checks whose failure means the run's timing record cannot be trusted
+CONSISTENCY_CHECKS = ("control-consistency", "tamper", "integrity", "missing-leg")
+EXACTNESS_CHECKS = ("exactness", "stop")
+
+
+def finding(check: str, severity: str, prompt_id: str | None, message: str, **details) -> dict:
+    return {"check": check, "severity": severity, "prompt_id": prompt_id, "message": message, **details}
+
+
+def close(a: float, b: float, rel: float = REL_TOL, abs_tol: float = 0.0) -> bool:
+    return abs(a - b) <= max(abs_tol, rel * max(abs(a), abs(b)))
+
+
+def leg_label(rec: dict) -> str:
+    return f"{rec['role']}#{rec['leg']}"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# --------------------------------------------------------------------------- file integrity
+
+
+def check_integrity(integrity: dict) -> list[dict]:
+    """The end record's count and sha256 cover every byte before it: a mismatch means the
+    file was edited or cut after the harness wrote it; no end record means it was cut."""
+    if not integrity.get("present"):
+        return [finding("integrity", "fail", None,
+                        "no end record: the stream is truncated (the harness always writes one last)")]
+    out = []
+    if not integrity.get("count_ok"):
+        out.append(finding("integrity", "fail", None,
+                           "end record's count does not match the records before it (lines added or removed)"))
+    if not integrity.get("sha256_ok"):
+        out.append(finding("integrity", "fail", None,
+                           "end record's sha256 does not match the file (the stream was edited after it was written)"))
+    return out
+
+
+# --------------------------------------------------------------------------- header
+
+
+def check_header(header: dict, versions_now: dict) -> list[dict]:
+    out = []
+    if header.get("dtype") != "bfloat16":
+        out.append(finding("header", "fail", None,
+                           f"run dtype {header.get('dtype')!r}; the audit replays in bfloat16, the harness's only dtype"))
+    recorded = header.get("versions") if isinstance(header.get("versions"), dict) else {}
+    for lib in ("torch", "transformers"):
+        if lib in versions_now and recorded.get(lib) != versions_now[lib]:
+            # a different build can legitimately compute different bits: say so, don't fail for it
+            out.append(finding("header", "warn", None,
+                               f"recorded with {lib} {recorded.get(lib)!r}, replayed with {versions_now[lib]!r}; "
+                               "a divergence may be the library's, not the decoder's",
+                               library=lib, recorded=recorded.get(lib), replayed=versions_now[lib]))
+    warm = header.get("warmup_tokens")
+    if isinstance(warm, int) and warm >= header["max_new_tokens"]:
+        out.append(finding("warm-leg", "warn", None,
+                           f"warm-up decodes {warm} >= N={header['max_new_tokens']} tokens: a cache filled during "
+                           "the warm-up would make every timed leg warm, invisible to the warm-leg check"))
+    return out
+
+
+def check_device(recorded: dict, replay_type: str, replay_name: str, allow_mismatch: bool) -> list[dict]:
+    """A different device can legitimately produce a different greedy stream, so replaying on
+    one is refused (BadInput) unless explicitly allowed, and then it is a warning."""
+    if recorded.get("type") == replay_type and recorded.get("name") == replay_name:
+        return []
+    msg = (f"stream was recorded on {recorded.get('name')!r} ({recorded.get('type')}), replay runs on "
+           f"{replay_name!r} ({replay_type}); a different device can legitimately emit a different greedy stream")
+    if not allow_mismatch:
+        raise BadInput(msg + "; replay on the recording device or pass --allow-device-mismatch")
+    return [finding("device", "warn", None, msg + " (--allow-device-mismatch)",
+                    recorded=recorded, replayed={"type": replay_type, "name": replay_name})]
+
+
+def check_determinism(recorded, differences) -> list[dict]:
+    """``differences`` is harness.determinism.differences, called after the audit pinned."""
+    if not isinstance(recorded, dict) or not recorded:
+        return [finding("determinism", "fail", None,
+                        "header has no determinism settings; exactness is undefined without them")]
+    diffs = differences(recorded)
+    if diffs:
+        return [finding("determinism", "fail", None,
+                        "stream was recorded in another configuration than the pinned one: " + "; ".join(diffs),
+                        differences=diffs)]
+    return []
+
+
+def check_model_identity(recorded: dict, replayed: dict) -> list[dict]:
+    """Built-ins match on name and seed (and their fingerprints when recorded); checkpoints on
+    config_sha256 and weights_fingerprint (their paths may differ between machines)."""
+    if recorded.get("kind") == "builtin":
+        keys = ["name", "seed"] + [k for k in ("config_sha256", "weights_fingerprint") if k in recorded]
+    else:
+        keys = ["config_sha256", "weights_fingerprint"]
+    bad = [k for k in keys if recorded.get(k) != replayed.get(k)]
+    if not bad:
+        return []
+    detail = "; ".join(f"{k}: stream {recorded.get(k)!r}, replayed {replayed.get(k)!r}" for k in bad)
+    return [finding("model", "fail", None,
+                    f"the replayed model is not the one that recorded the stream ({detail}); tokens not replayed",
+                    mismatched=bad)]
+
+
+def check_instrument(header: dict) -> list[dict]:
+    if header["candidate"].get("instrument") is True:
+        return [finding("instrument", "warn", None,
+                        f"candidate {header['candidate']['name']!r} is marked as an instrument: "
+                        "audited for exactness, never scored")]
+    return []
+
+
+# --------------------------------------------------------------------------- legs
+
+
+def check_leg_set(p: PromptRun, legs: int) -> list[dict]:
+    """Each role needs legs 0..L-1 exactly once."""
+    out = []
+    for role in ROLES:
+        idx = [r["leg"] for r in p.role_legs(role)]
+        dups = sorted({i for i in idx if idx.count(i) > 1})
+        extra = sorted({i for i in idx if not 0 <= i < legs})
+        missing = [i for i in range(legs) if i not in idx]
+        if dups:
+            out.append(finding("tamper", "fail", p.id, f"{role} legs {dups} appear more than once",
+                               role=role, legs=dups))
+        if extra:
+            out.append(finding("tamper", "fail", p.id, f"{role} legs {extra} lie outside 0..{legs - 1} (L={legs})",
+                               role=role, legs=extra))
+        if missing:
+            out.append(finding("missing-leg", "fail", p.id,
+                               f"{role} has {legs - len(missing)} of {legs} legs; missing "
+                               + ", ".join(f"{role}#{i}" for i in missing), role=role, legs=missing))
+    return out
+
+
+def check_leg_order(p: PromptRun, legs: int) -> list[dict]:
+    """``order`` must follow ABBA: order k is abba_roles(L)[k], and it is that role's n-th leg."""
+    roles = abba_roles(legs)
+    expected_leg = [roles[:k].count(roles[k]) for k in range(len(roles))]
+    out, seen = [], set()
+    for rec in p.legs:
+        o, label = rec["order"], leg_label(rec)
+        if not 0 <= o < len(roles):
+            out.append(finding("tamper", "fail", p.id, f"{label} has order {o}, outside 0..{len(roles) - 1}",
+                               leg=label, order=o))
+        elif o in seen:
+            out.append(finding("tamper", "fail", p.id, f"order {o} is used by more than one leg", leg=label, order=o))
+        elif (roles[o], expected_leg[o]) != (rec["role"], rec["leg"]):
+            out.append(finding("tamper", "fail", p.id,
+                               f"{label} has order {o}, but ABBA order {o} is {roles[o]}#{expected_leg[o]}",
+                               leg=label, order=o))
+        seen.add(o)
+    orders = [r["order"] for r in p.legs]
+    if orders != sorted(orders):
+        out.append(finding("tamper", "fail", p.id, f"legs are not in the file in the order they ran: {orders}",
+                           orders=orders))
+    return out
+
+
+def check_leg_timing(p: PromptRun) -> list[dict]:
+    """wall_s == t_end - t_start; legs, taken by ``order``, occupy disjoint increasing intervals."""
+    out = []
+    for rec in p.legs:
+        label, span = leg_label(rec), rec["t_end"] - rec["t_start"]
+        if rec["t_start"] < 0 or rec["t_end"] <= rec["t_start"]:
+            out.append(finding("tamper", "fail", p.id,
+                               f"{label}: interval [{rec['t_start']}, {rec['t_end']}] is not a forward interval "
+                               "from the run's start", leg=label))
+        if not close(rec["wall_s"], span, REL_TOL, ABS_TOL):
+            out.append(finding("tamper", "fail", p.id,
+                               f"{label}: wall_s {rec['wall_s']!r} != t_end - t_start = {span!r}",
+                               leg=label, wall_s=rec["wall_s"], span=span))
+    by_order = sorted(p.legs, key=lambda r: r["order"])
+    for a, b in zip(by_order, by_order[1:]):
+        if b["t_start"] < a["t_end"]:
+            out.append(finding("tamper", "fail", p.id,
+                               f"{leg_label(b)} (order {b['order']}) starts at {b['t_start']!r}, before "
+                               f"{leg_label(a)} (order {a['order']}) ends at {a['t_end']!r}: leg times were moved",
+                               legs=[leg_label(a), leg_label(b)]))
+    return out
+
+
+def check_prompt_sequence(prompts: list[PromptRun]) -> list[dict]:
+    """Prompts ran one after another: each prompt's legs start after the previous prompt's end."""
+    out, prev = [], None
+    for p in prompts:
+        if not p.legs:
+            continue
+        start, end = min(r["t_start"] for r in p.legs), max(r["t_end"] for r in p.legs)
+        if prev is not None and start < prev[1]:
+            out.append(finding("tamper", "fail", p.id,
+                               f"prompt {p.id!r} legs start at {start!r}, before prompt {prev[0]!r} ended at {prev[1]!r}"))
+        prev = (p.id, max(end, prev[1]) if prev else end)
+    return out
+
+
+def check_out_of_place(p: PromptRun) -> list[dict]:
+    return [finding("tamper", "fail", p.id, f"record out of place for prompt {p.id!r}: {where}")
+            for where in p.out_of_place]
+
+
+def check_control_consistency(p: PromptRun) -> list[dict]:
+    """Every control leg must have emitted the same stream, or the reference is ill-defined."""
+    ctl = sorted(p.role_legs("control"), key=lambda r: r["leg"])
+    for rec in ctl[1:]:
+        pos = first_difference(ctl[0]["tokens"], rec["tokens"])
+        if pos is not None:
+            return [finding("control-consistency", "fail", p.id,
+                            f"control legs disagree: {leg_label(ctl[0])} and {leg_label(rec)} first differ at "
+                            f"position {pos}; the serial reference is ill-defined for this prompt",
+                            legs=[leg_label(ctl[0]), leg_label(rec)], position=pos)]
+    return []
+
+
+# --------------------------------------------------------------------------- ratios
+
+
+def prompt_medians(p: PromptRun) -> dict:
+    """Median wall time per side and control/candidate ratio, from the raw legs."""
+    med = {}
+    for role in ROLES:
+        walls = [r["wall_s"] for r in p.role_legs(role)]
+        med[role] = statistics.median(walls) if walls else None
+    ratio = med["control"] / med["candidate"] if med["control"] is not None and med["candidate"] else None
+    return {"control_median_s": med["control"], "candidate_median_s": med["candidate"], "ratio": ratio}
+
+
+def median_ratio(ratios: list[float | None]) -> float | None:
+    have = [r for r in ratios if r is not None]
+    return statistics.median(have) if have else None
+
+
+def recompute_ratios(prompts: list[PromptRun]) -> tuple[dict[str, dict], float | None]:
+    per_prompt = {p.id: prompt_medians(p) for p in prompts}
+    return per_prompt, median_ratio([m["ratio"] for m in per_prompt.values()])
+
+
+def check_summary(p: PromptRun, medians: dict) -> list[dict]:
+    """The harness's summary record must agree with the recomputation beyond rounding."""
+    if not p.summaries:
+        return [finding("tamper", "fail", p.id, "no summary record (the harness writes one per prompt)")]
+    out = []
+    if len(p.summaries) > 1:
+        out.append(finding("tamper", "fail", p.id, f"{len(p.summaries)} summary records for one prompt"))
+    s = p.summaries[0]
+    ours = dict(medians)
+    ctl, cand = p.role_legs("control"), p.role_legs("candidate")
+    if ctl and ours["control_median_s"]:
+        ours["control_tokens_per_s"] = len(ctl[0]["tokens"]) / ours["control_median_s"]
+    if cand and ours["candidate_median_s"]:
+        ours["candidate_tokens_per_s"] = len(cand[0]["tokens"]) / ours["candidate_median_s"]
+    for key, value in ours.items():
+        if value is None or key not in s:
+            continue
+        theirs = s[key]
+        if not isinstance(theirs, (int, float)) or isinstance(theirs, bool) or not close(float(theirs), value):
+            out.append(finding("tamper", "fail", p.id,
+                               f"summary {key} is {theirs!r}, the raw legs give {value!r}",
+                               field=key, harness=theirs, recomputed=value))
+    if "same_tokens_as_control" in s and p.legs:
+        same = all(r["tokens"] == p.legs[0]["tokens"] for r in p.legs)
+        if s["same_tokens_as_control"] is not same:
+            out.append(finding("tamper", "fail", p.id,
+                               f"summary same_tokens_as_control is {s['same_tokens_as_control']!r}, the legs say {same}",
+                               field="same_tokens_as_control"))
+    return out
+
+
+def check_end_median(end: dict | None, median: float | None) -> list[dict]:
+    if end is None or median is None:
+        return []
+    theirs = end.get("median_ratio")
+    if not isinstance(theirs, (int, float)) or isinstance(theirs, bool) or not math.isfinite(theirs):
+        return [finding("tamper", "fail", None, f"end record's median_ratio is {theirs!r}, not a finite number")]
+    if not close(float(theirs), median):
+        return [finding("tamper", "fail", None,
+                        f"end record's median_ratio is {theirs!r}, the raw legs give {median!r}",
+                        field="median_ratio", harness=theirs, recomputed=median)]
+    return []
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def peak_bytes(legs: list[dict]) -> int | None:
+    """The max peak over legs; None where not measured (every leg null)."""
+    values = [r.get("peak_mem_bytes") for r in legs]
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
+def resident_bytes(header: dict) -> dict | None:
+    """Header ``memory.resident_bytes``: what each decoder keeps allocated between decodes
+    (static caches, graph pools), measured by the harness on CUDA; None where absent or null."""
+    mem = header.get("memory")
+    res = mem.get("resident_bytes") if isinstance(mem, dict) else None
+    if isinstance(res, dict) and all(is_int(res.get(r)) and res[r] >= 0 for r in ROLES):
+        return {r: res[r] for r in ROLES}
+    return None
+
+
+def other_role(role: str) -> str:
+    return "candidate" if role == "control" else "control"
+
+
+def own_peak_bytes(legs: list[dict], role: str, resident: dict | None) -> int | None:
+    """A side's peak over its legs, without the other decoder's resident bytes: both decoders
+    live in one process, so each leg's raw allocator peak also holds the other's buffers."""
+    raw = peak_bytes(legs)
+    if raw is None or resident is None:
+        return raw
+    return raw - resident[other_role(role)]
+
+
+def check_resident(run: Run) -> list[dict]:
+    """Every raw peak holds the other decoder's resident bytes, so it cannot be smaller."""
+    res = resident_bytes(run.header)
+    if res is None:
+        return []
+    low = [f"{p.id}/{leg_label(r)}" for p in run.prompts for r in p.legs
+           if r.get("peak_mem_bytes") is not None and r["peak_mem_bytes"] < res[other_role(r["role"])]]
+    if low:
+        return [finding("tamper", "fail", None,
+                        f"{len(low)} legs (e.g. {low[0]}) peak below the other decoder's resident bytes "
+                        f"{res}: the header's memory.resident_bytes or the peaks were edited", legs=low)]
+    return []
+
+
+def check_memory_recorded(prompts: list[PromptRun]) -> list[dict]:
+    """Peak memory is measured for every leg of a run or for none: a null beside numbers would
+    silently lift the memory penalty."""
+    legs = [r for p in prompts for r in p.legs]
+    nulls = [f"{p.id}/{leg_label(r)}" for p in prompts for r in p.legs if r.get("peak_mem_bytes") is None]
+    if nulls and len(nulls) < len(legs):
+        return [finding("tamper", "fail", None,
+                        f"peak_mem_bytes is null on {len(nulls)} of {len(legs)} legs (e.g. {nulls[0]}) "
+                        "but measured on the others", legs=nulls)]
+    return []
+
+
+def memory_factor(control_peak: int | None, candidate_peak: int | None, allowance: float) -> tuple[float, float | None]:
+    """(f_mem, candidate/control peak ratio): f_mem = min(1, allowance / ratio); 1 when not measured."""
+    if control_peak is None or candidate_peak is None:
+        return 1.0, None
+    if control_peak <= 0:
+        return (1.0 if candidate_peak <= 0 else 0.0), None
+    ratio = candidate_peak / control_peak
+    return (min(1.0, allowance / ratio) if ratio > 0 else 1.0), ratio
+
+
+# --------------------------------------------------------------------------- warm legs
+
+
+def later_over_first(legs: list[dict]) -> float | None:
+    """Median wall time of legs 1.. over leg 0's; None without leg 0 and a later leg."""
+    by_leg = {r["leg"]: r["wall_s"] for r in legs}
+    later = [w for k, w in by_leg.items() if k >= 1]
+    if 0 not in by_leg or not later:
+        return None
+    return statistics.median(later) / by_leg[0]
+
+
+def warm_leg_flag(p: PromptRun, legs: int) -> tuple[bool, dict]:
+    """A candidate whose later legs are much faster than its first while the control's are not
+    looks like a cache keyed on the request: the first leg computed, the others looked it up.
+    Flagged when candidate later/first < 0.6 while the control's > 0.8, or when the candidate's
+    later/first is under 0.1x the control's whatever the control did."""
+    cand, ctl = later_over_first(p.role_legs("candidate")), later_over_first(p.role_legs("control"))
+    stats = {"candidate_later_over_first": cand, "control_later_over_first": ctl}
+    flagged = (legs >= 2 and cand is not None and ctl is not None and cand < WARM_CANDIDATE_MAX
+               and (ctl > WARM_CONTROL_MIN or cand < WARM_RELATIVE_MAX * ctl))
+    return flagged, stats
+
+
+def check_warm_leg(p: PromptRun, legs: int) -> list[dict]:
+    flagged, stats = warm_leg_flag(p, legs)
+    if not flagged:
+        return []
+    return [finding("warm-leg", "fail", p.id,
+                    f"candidate's later legs take {stats['candidate_later_over_first']:.2f}x its first leg while the "
+                    f"control's take {stats['control_later_over_first']:.2f}x: possible cache keyed on the request",
+                    **stats)]
+
+
+# --------------------------------------------------------------------------- score
+
+
+def score(median: float | None, f_mem: float, s_max: float, kappa: float, disqualified: bool) -> float:
+    """S_max * (1 - exp(-(m - 1) / kappa)) * f_mem; 0 when disqualified or not faster (m <= 1)."""
+    if disqualified or median is None or median <= 1:
+        return 0.0
+    return s_max * (1.0 - math.exp(-(median - 1.0) / kappa)) * f_mem
+
+
+def run_checks(run: Run) -> list[dict]:
+    """Every model-free check of the file's structure, timing and the harness's arithmetic."""
+    out = check_integrity(run.integrity)
+    for p in run.prompts:
+        out += check_out_of_place(p)
+        out += check_leg_set(p, run.legs)
+        out += check_leg_order(p, run.legs)
+        out += check_leg_timing(p)
+        out += check_control_consistency(p)
+        out += check_warm_leg(p, run.legs)
+    out += check_prompt_sequence(run.prompts)
+    out += check_memory_recorded(run.prompts)
+    out += check_resident(run)
+    per_prompt, median = recompute_ratios(run.prompts)
+    for p in run.prompts:
+        out += check_summary(p, per_prompt[p.id])
+    out += check_end_median(run.end, median)
+    return out

@@ -1,0 +1,161 @@
+"""Teacher-forced serial greedy replay through the pristine path.
+
+The control (serial decoding) is: prefill the prompt with ``logits_to_keep=1``, then one token
+per HF forward with a DynamicCache, ``argmax`` (first index on ties), stop after EOS or N tokens.
+``PristineSerial`` makes exactly those calls, written here rather than imported, so the audit
+does not depend on the code it judges.
+
+Sharing work: a stream's verified part is, by definition, a prefix of the serial greedy stream,
+and after its first divergence nothing more is checked. So every leg of a prompt is checked
+against ONE walk along the greedy path: at each position the walk computes the logits once and
+settles every stream still agreeing with it. Distinct streams cost nothing extra; identical legs
+are collapsed before the walk. The walk goes only as far as some stream still needs it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+TOPK = 5
+
+# reasons, and the finding they belong to
+NOT_ARGMAX = "emitted token is not the argmax"
+ENDS_EARLY = "stream ends before N without an EOS; serial decoding continues"
+AFTER_EOS = "stream continues after an EOS; serial decoding stops there"
+TOO_LONG = "stream is longer than N"
+STOP_REASONS = (ENDS_EARLY, AFTER_EOS, TOO_LONG)
+
+
+@dataclass
+class Divergence:
+    position: int  # 0-based index among the new tokens
+    emitted: int | None  # None: the stream has no token here
+    greedy: int | None  # None: serial decoding has stopped before here
+    top5: list  # [[token_id, logit], ...] of the logits at this position ([] when none exist)
+    margin: float | None  # top-1 minus top-2 logit (None when no logits exist)
+    reason: str
+
+    @property
+    def check(self) -> str:
+        return "stop" if self.reason in STOP_REASONS else "exactness"
+
+    def to_json(self, leg: str) -> dict:
+        return {"leg": leg, "position": self.position, "emitted": self.emitted, "greedy": self.greedy,
+                "top5": self.top5, "margin": self.margin, "reason": self.reason}
+
+
+class PristineSerial:
+    """HF forward + DynamicCache, one token per forward: the same calls serial decoding makes."""
+
+    def __init__(self, model):
+        self.lm = model.backbone
+        self.device = model.device
+        self.cache = None
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.lm.config)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = self.lm(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], device=self.device)
+        out = self.lm(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+
+def greedy_and_top(logits: torch.Tensor) -> tuple[int, list, float | None]:
+    """argmax (first index on ties, as serial decoding takes it), the top-5, top-1/top-2 margin."""
+    greedy = int(logits.argmax(-1).item())
+    k = min(TOPK, logits.numel())
+    vals, idx = torch.topk(logits.float(), k)
+    top = [[int(i), float(v)] for v, i in zip(vals.tolist(), idx.tolist())]
+    margin = float(vals[0] - vals[1]) if k > 1 else None
+    return greedy, top, margin
+
+
+def replay_prompt(stepper, prompt_ids: list[int], streams: list[tuple[int, ...]], max_new_tokens: int,
+                  eos: set[int], progress=None) -> tuple[dict[tuple, Divergence | None], list[int]]:
+    """Check every distinct stream against serial greedy decoding of ``prompt_ids``.
+
+    Returns ({stream: first Divergence or None}, the greedy tokens computed). Rules: at every
+    position the emitted token is the argmax; a stream stops exactly where serial stops, right
+    after the first EOS or at N tokens (so shorter than N means ending in EOS, no EOS before the
+    last token, never longer than N).
+    """
+    result: dict[tuple, Divergence | None] = {s: None for s in streams}
+    alive = list(dict.fromkeys(streams))
+    greedy_path: list[int] = []
+    if not alive:
+        return result, greedy_path
+    logits = stepper.start(prompt_ids)
+    i = 0
+    while True:
+        g, top, margin = greedy_and_top(logits)
+        greedy_path.append(g)
+        still = []
+        for s in alive:
+            if len(s) == i:
+                result[s] = Divergence(i, None, g, top, margin, ENDS_EARLY)
+            elif s[i] != g:
+                result[s] = Divergence(i, s[i], g, top, margin, NOT_ARGMAX)
+            else:
+                still.append(s)
+        alive = still
+        if g in eos or i + 1 >= max_new_tokens:  # serial decoding ends after this token
+            for s in alive:
+                if len(s) > i + 1:
+                    result[s] = Divergence(i + 1, s[i + 1], None, [], None, AFTER_EOS if g in eos else TOO_LONG)
+            break
+        if not alive:
+            break
+        logits = stepper.step(g)
+        i += 1
+        if progress:
+            progress(i)
+    return result, greedy_path
+
+
+@dataclass
+class PromptReplay:
+    divergences: dict[str, Divergence]  # leg label -> first divergence (exact legs absent)
+    positions: int  # logits computed (forwards) for this prompt
+    greedy: list[int]
+
+
+def replay_run(model, run, log=None) -> tuple[dict[str, PromptReplay], int, float]:
+    """Replay every prompt of a run. Returns ({prompt_id: PromptReplay}, tokens replayed, seconds)."""
+    stepper = PristineSerial(model)
+    eos = set(model.eos_token_ids)
+    out, total, t0 = {}, 0, time.perf_counter()
+    for n, p in enumerate(run.prompts, start=1):
+        labelled = {}
+        for r in p.legs:  # a duplicated leg (itself a tamper finding) is still replayed
+            label = f"{r['role']}#{r['leg']}"
+            while label in labelled:
+                label += "'"
+            labelled[label] = tuple(r["tokens"])
+        t_prompt = time.perf_counter()
+
+        def progress(i, pid=p.id):
+            if log and i % 64 == 0:
+                log(f"  {pid}: position {i}/{run.max_new_tokens}")
+
+        results, greedy = replay_prompt(stepper, p.token_ids, list(labelled.values()), run.max_new_tokens,
+                                        eos, progress)
+        divs = {label: results[s] for label, s in labelled.items() if results[s] is not None}
+        out[p.id] = PromptReplay(divs, len(greedy), greedy)
+        total += len(greedy)
+        if log:
+            dt = time.perf_counter() - t_prompt
+            per = 1000 * dt / len(greedy) if greedy else 0.0
+            log(f"replay [{n}/{len(run.prompts)}] {p.id}: {len(greedy)} positions, {per:.1f} ms/token, "
+                f"{len(set(labelled.values()))} distinct stream(s), "
+                f"{'exact' if not divs else f'{len(divs)} leg(s) diverge'}")
+    return out, total, time.perf_counter() - t0

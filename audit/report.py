@@ -1,0 +1,158 @@
+"""The audit's outputs: the audit.json document (read by ``reports``) and the human table.
+
+audit.json keys are a contract with the reports package; see ``build_document``.
+"""
+from __future__ import annotations
+
+from audit import checks
+from audit.replay import Divergence, PromptReplay
+
+SCHEMA = "qwen35-exact/audit/1"
+
+
+def divergence_message(label: str, d: Divergence) -> str:
+    if d.greedy is None:
+        return f"{label} at position {d.position}: {d.reason} (emitted {d.emitted})"
+    if d.emitted is None:
+        return f"{label} at position {d.position}: {d.reason} (serial greedy would emit {d.greedy})"
+    top = ", ".join(f"{t}:{v:.4f}" for t, v in d.top5)
+    return (f"{label} diverges at position {d.position}: emitted {d.emitted}, serial greedy {d.greedy} "
+            f"(top-1/top-2 margin {d.margin:.4g}; top5 {top})")
+
+
+def leg_orders(p) -> dict[str, int]:
+    return {checks.leg_label(r): r["order"] for r in p.legs}
+
+
+def divergence_findings(run, replayed: dict[str, PromptReplay]) -> list[dict]:
+    """One finding per diverging leg, legs taken in the order they ran."""
+    out = []
+    for p in run.prompts:
+        order = leg_orders(p)
+        for label, d in sorted(replayed[p.id].divergences.items(), key=lambda kv: order.get(kv[0], 0)):
+            out.append(checks.finding(d.check, "fail", p.id, divergence_message(label, d), **d.to_json(label)))
+    return out
+
+
+def first_divergence(p, rep: PromptReplay | None) -> dict | None:
+    """The earliest divergence among a prompt's legs (ties: the leg that ran first)."""
+    if rep is None or not rep.divergences:
+        return None
+    order = leg_orders(p)
+    label, d = min(rep.divergences.items(), key=lambda kv: (kv[1].position, order.get(kv[0], 0)))
+    return d.to_json(label)
+
+
+def prompt_entry(run, p, medians: dict, rep: PromptReplay | None) -> dict:
+    cand = p.role_legs("candidate")
+    resident = checks.resident_bytes(run.header)
+    warm, _ = checks.warm_leg_flag(p, run.legs)
+    return {
+        "id": p.id,
+        "exact": rep is not None and bool(p.legs) and not rep.divergences,
+        # new tokens the candidate emitted on its first leg (equal to serial's when exact)
+        "tokens": len(cand[0]["tokens"]) if cand else 0,
+        "ratio": medians["ratio"],
+        "harness_ratio": p.summaries[0]["ratio"] if p.summaries else None,
+        "control_median_s": medians["control_median_s"],
+        "candidate_median_s": medians["candidate_median_s"],
+        "control_peak_bytes": checks.own_peak_bytes(p.role_legs("control"), "control", resident),
+        "candidate_peak_bytes": checks.own_peak_bytes(cand, "candidate", resident),
+        "first_divergence": first_divergence(p, rep),
+        "warm_leg_flag": warm,
+    }
+
+
+def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict[str, PromptReplay] | None,
+                   replay_info: dict, model_identity: dict, params: dict) -> dict:
+    """Everything the audit found, as audit.json. ``findings`` must already hold every finding."""
+    per_prompt, median = checks.recompute_ratios(run.prompts)
+    legs = [r for p in run.prompts for r in p.legs]
+    resident = checks.resident_bytes(run.header)
+    ctl_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "control"], "control", resident)
+    cand_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "candidate"], "candidate", resident)
+    f_mem, mem_ratio = checks.memory_factor(ctl_peak, cand_peak, params["mem_allowance"])
+    failed = any(f["severity"] == "fail" for f in findings)
+    instrument = run.header["candidate"].get("instrument") is True
+    exact = replayed is not None and not any(f["check"] in checks.EXACTNESS_CHECKS for f in findings)
+    consistent = not any(f["severity"] == "fail" and f["check"] in checks.CONSISTENCY_CHECKS for f in findings)
+    return {
+        "schema": SCHEMA,
+        "stream": str(run.path),
+        "stream_sha256": stream_sha256,
+        "verdict": "fail" if failed else "pass",
+        "exact": exact,
+        "consistent": consistent,
+        "score": checks.score(median, f_mem, params["s_max"], params["kappa"], failed or instrument),
+        "score_params": dict(params),
+        "median_ratio": median,
+        "f_mem": f_mem,
+        # peaks are each side's own: raw allocator peak less the other decoder's resident bytes
+        # when the header records them (resident_bytes, null otherwise)
+        "memory": {"control_peak_bytes": ctl_peak, "candidate_peak_bytes": cand_peak, "ratio": mem_ratio,
+                   "resident_bytes": resident},
+        "replay": replay_info,
+        "model": model_identity,
+        "header_model": run.header["model"],
+        "candidate": run.header["candidate"]["name"],
+        "instrument": instrument,
+        "prompts": [prompt_entry(run, p, per_prompt[p.id], replayed[p.id] if replayed else None)
+                    for p in run.prompts],
+        "findings": findings,
+    }
+
+
+# --------------------------------------------------------------------------- table
+
+
+def fmt_ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def fmt_divergence(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    if d["greedy"] is None:
+        return f"{d['leg']} @{d['position']}: {d['emitted']} after serial stopped"
+    if d["emitted"] is None:
+        return f"{d['leg']} @{d['position']}: ended, greedy {d['greedy']}"
+    return f"{d['leg']} @{d['position']}: {d['emitted']} vs greedy {d['greedy']} (margin {d['margin']:.3g})"
+
+
+def fmt_memory(ctl, cand) -> str:
+    if ctl is None or cand is None:
+        return "-"
+    return f"{cand / ctl:.2f}x" if ctl > 0 else "?"
+
+
+def render_table(doc: dict) -> str:
+    rows = [("prompt", "tokens", "exact", "first divergence", "ratio", "harness", "mem", "warm")]
+    for e in doc["prompts"]:
+        rows.append((e["id"], str(e["tokens"]), "yes" if e["exact"] else "NO", fmt_divergence(e["first_divergence"]),
+                     fmt_ratio(e["ratio"]), fmt_ratio(e["harness_ratio"]),
+                     fmt_memory(e["control_peak_bytes"], e["candidate_peak_bytes"]),
+                     "FLAG" if e["warm_leg_flag"] else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    if doc["findings"]:
+        lines.append("")
+        lines.append("findings:")
+        for f in doc["findings"]:
+            where = f" [{f['prompt_id']}]" if f["prompt_id"] else ""
+            lines.append(f"  {f['severity'].upper():<4} {f['check']}{where}: {f['message']}")
+    rp, sp = doc["replay"], doc["score_params"]
+    lines.append("")
+    if rp["tokens_replayed"]:
+        lines.append(f"replay: {rp['tokens_replayed']} tokens in {rp['seconds']:.2f} s "
+                     f"({rp['ms_per_token']:.2f} ms/token) on {rp['device']} via {rp['path']}")
+    else:
+        lines.append("replay: no tokens replayed")
+    lines.append(f"median ratio {fmt_ratio(doc['median_ratio'])}  f_mem {doc['f_mem']:.3f}  "
+                 f"score {doc['score']:.4f}  (S_max {sp['s_max']:g}, kappa {sp['kappa']:g}, "
+                 f"mem allowance {sp['mem_allowance']:g})")
+    lines.append(f"verdict: {doc['verdict'].upper()}  exact: {'yes' if doc['exact'] else 'NO'}  "
+                 f"consistent: {'yes' if doc['consistent'] else 'NO'}  candidate: {doc['candidate']}"
+                 + ("  (instrument: never scored)" if doc["instrument"] else ""))
+    return "\n".join(lines)

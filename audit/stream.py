@@ -1,0 +1,113 @@
+"""Read a ``stream.jsonl`` into a per-prompt structure for the checks.
+
+``harness.schema.read_stream`` validates each record's fields; here the records are grouped by
+prompt and the header's fields the audit relies on are type-checked. Anything that makes the
+file impossible to audit meaningfully (unparseable, unknown schema, duplicate prompt ids, a leg
+for a prompt never declared) raises ``BadInput``: the CLI prints one line and exits 2. Things
+that can be audited but are wrong (a missing leg, a leg out of place) are left for the checks to
+report as findings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.schema import StreamFormatError, read_stream
+
+
+class BadInput(Exception):
+    """The stream cannot be audited at all; shown as one line, exit 2."""
+
+
+@dataclass
+class PromptRun:
+    """One prompt's records, in file order."""
+
+    id: str
+    line: int  # 1-based line of the prompt record
+    token_ids: list[int]
+    legs: list[dict] = field(default_factory=list)
+    summaries: list[dict] = field(default_factory=list)
+    # records that belong to this prompt but appear after another prompt's record
+    out_of_place: list[str] = field(default_factory=list)
+
+    def role_legs(self, role: str) -> list[dict]:
+        return [r for r in self.legs if r["role"] == role]
+
+
+@dataclass
+class Run:
+    path: Path
+    header: dict
+    prompts: list[PromptRun]
+    end: dict | None
+    integrity: dict  # from read_stream: present, count_ok, sha256_ok
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.header["max_new_tokens"]
+
+    @property
+    def legs(self) -> int:
+        return self.header["legs"]
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_header(header: dict) -> None:
+    """The header fields the audit cannot do without, with the types it relies on."""
+    for key in ("max_new_tokens", "legs"):
+        if not is_int(header.get(key)) or header[key] < 1:
+            raise BadInput(f"header {key} must be a positive integer, not {header.get(key)!r}")
+    if not isinstance(header.get("model"), dict):
+        raise BadInput("header model must be an object (the model identity)")
+    dev = header.get("device")
+    if not isinstance(dev, dict) or not isinstance(dev.get("name"), str) or not isinstance(dev.get("type"), str):
+        raise BadInput("header device must be an object with string 'type' and 'name'")
+    for side in ("control", "candidate"):
+        if not isinstance(header.get(side), dict) or not isinstance(header[side].get("name"), str):
+            raise BadInput(f"header {side} must be an object with a string 'name'")
+
+
+def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None]:
+    """Group legs and summaries under their prompt. A record's line number is its index + 1."""
+    prompts: dict[str, PromptRun] = {}
+    current: PromptRun | None = None
+    end = None
+    for lineno, rec in enumerate(records, start=1):
+        kind = rec["type"]
+        if kind == "prompt":
+            if rec["id"] in prompts:
+                raise BadInput(f"line {lineno}: duplicate prompt id {rec['id']!r} "
+                               f"(first at line {prompts[rec['id']].line})")
+            current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]))
+        elif kind in ("leg", "summary"):
+            pid = rec["prompt_id"]
+            if pid not in prompts:
+                raise BadInput(f"line {lineno}: {kind} for prompt {pid!r}, which no earlier prompt record declares")
+            owner = prompts[pid]
+            if owner is not current:
+                owner.out_of_place.append(f"line {lineno}: {kind} after prompt {current.id!r} began")
+            (owner.legs if kind == "leg" else owner.summaries).append(rec)
+        elif kind == "end":
+            end = rec
+    return list(prompts.values()), end
+
+
+def load_run(path: Path) -> Run:
+    """Parse and group a stream; every structural problem is ``BadInput``."""
+    path = Path(path)
+    try:
+        records, integrity = read_stream(path)
+    except StreamFormatError as exc:
+        raise BadInput(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read ({exc.strerror or exc})") from None
+    header = records[0]
+    validate_header(header)
+    prompts, end = group_records(records)
+    if not prompts:
+        raise BadInput(f"{path}: no prompt records; nothing to audit")
+    return Run(path, header, prompts, end, integrity)

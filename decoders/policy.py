@@ -1,0 +1,102 @@
+"""Adaptive draft depth: pick each round's depth d to maximise expected tokens per unit time.
+
+Pure policy, no tensors: it sees measured costs and acceptance outcomes, nothing else, so it can
+change without touching the runtime (and is tested on its own, tests/test_policy.py).
+
+  E(d) = 1 + sum_{i=1..d} prod_{k=1..i} a_k      expected tokens from a round of depth d
+  T(0) = c_step                                    a plain exact step
+  T(d) = d * c_draft + c_verify[d + 1]             d chained head steps + a window of d + 1 rows
+
+a_k estimates P(draft k accepted | drafts 1..k-1 accepted) from observed drafts only (those after
+the first rejection are never seen): hits and trials per depth, decayed by ``forget`` per round so
+that it follows the text, with ``strength`` pseudo-observations of a prior (``prior`` for depth 1,
+depth k-1's estimate for depth k) so that one round moves it quickly but not all the way. When depth 0 wins it keeps
+winning without new evidence, so every ``explore_every`` rounds at depth 0 it probes depth 1:
+at zero acceptance that costs one draft and one 2-row window per ``explore_every`` steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Costs:
+    step: float  # seconds of a plain (fast-serial) step
+    draft: float  # seconds of one chained head step
+    verify: dict[int, float]  # window rows -> seconds
+
+    def round_time(self, depth: int) -> float:
+        return self.step if depth == 0 else depth * self.draft + self.verify[depth + 1]
+
+
+@dataclass
+class DepthPolicy:
+    costs: Costs
+    max_depth: int
+    prior: float = 0.5  # acceptance assumed before any evidence
+    strength: float = 2.0  # pseudo-observations behind the prior
+    forget: float = 0.97  # per-round decay of old observations
+    explore_every: int = 32
+    fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
+    hits: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+    zero_run: int = 0
+
+    def __post_init__(self):
+        if self.max_depth < 0:
+            raise ValueError("max_depth must be >= 0")
+        missing = [w for w in range(2, self.max_depth + 2) if w not in self.costs.verify]
+        if missing:
+            raise ValueError(f"no measured verify cost for window sizes {missing}")
+        if self.fixed is not None and not 0 <= self.fixed <= self.max_depth:
+            raise ValueError(f"fixed depth {self.fixed} outside 0..{self.max_depth}")
+        if not self.hits:
+            self.hits = [0.0] * self.max_depth
+            self.trials = [0.0] * self.max_depth
+
+    @property
+    def accept(self) -> list[float]:
+        """Depth k's prior is depth k-1's estimate: with no evidence yet at a depth, it is assumed
+        to behave like the one before it, so good acceptance pulls the policy deeper to look."""
+        out, prior = [], self.prior
+        for h, t in zip(self.hits, self.trials):
+            prior = (h + prior * self.strength) / (t + self.strength)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self, depth: int) -> float:
+        total, run, accept = 1.0, 1.0, self.accept
+        for k in range(depth):
+            run *= accept[k]
+            total += run
+        return total
+
+    def best_depth(self) -> int:
+        rates = [(self.expected_tokens(d) / self.costs.round_time(d), -d) for d in range(self.max_depth + 1)]
+        return -max(rates)[1]
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        d = self.best_depth()
+        if d == 0 and self.max_depth > 0:
+            self.zero_run += 1
+            if self.zero_run >= self.explore_every:
+                self.zero_run = 0
+                return 1
+            return 0
+        self.zero_run = 0
+        return d
+
+    def update(self, depth: int, accepted: int) -> None:
+        """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
+        if not 0 <= accepted <= depth <= self.max_depth:
+            raise ValueError(f"update({depth}, {accepted}) out of range")
+        self.hits = [h * self.forget for h in self.hits]
+        self.trials = [t * self.forget for t in self.trials]
+        for k in range(min(accepted + 1, depth)):  # drafts 1..accepted+1 were observed
+            self.trials[k] += 1.0
+            self.hits[k] += 1.0 if k < accepted else 0.0
+
+    def state(self) -> dict:
+        return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth()}

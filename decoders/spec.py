@@ -1,0 +1,269 @@
+"""``spec``: exact speculative decoding with the MTP head on the exact runtime.
+
+Each round: the policy picks a depth d. d = 0 is a plain exact step. Otherwise the drafter
+catches its head up on the rows since the last round and chains d drafts; the runtime verifies
+[y, d_1..d_d] in one bit-exact window; the longest agreeing prefix plus the model's own next
+token is kept; the runtime rolls back to the state captured at the last kept row. Every emitted
+token is the argmax of logits bit-identical to the serial control's, whatever the drafts were.
+
+Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder arguments:
+  max_depth      largest draft depth (window = depth + 1 rows), default 6
+  depth          fix the depth instead of adapting (benchmarks)
+  shortlist      JSON file of draft token ids (see decoders/drafter.py), default none
+  explore_every  rounds at depth 0 between probes at depth 1, default 32
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decoders.base import DecodeResult, DecodeStats
+from decoders.drafter import MTPDrafter, load_shortlist
+from decoders.policy import Costs, DepthPolicy
+from decoders.runtime.runtime import ExactRuntime
+
+
+class PhaseTimer:
+    """Time per decode phase: CUDA events on the GPU (read once at the end), host clock on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []  # (phase, start, end)
+        self.totals: dict[str, float] = {}
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, phase: str, start) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((phase, start, end))
+        else:
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+    def result(self) -> dict[str, float]:
+        for phase, a, b in self.marks:
+            self.totals[phase] = self.totals.get(phase, 0.0) + a.elapsed_time(b) / 1e3
+        self.marks.clear()
+        return dict(self.totals)
+
+
+class SpecDecoder:
+    name = "spec"
+
+    def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
+                 explore_every: int = 32, capacity: int = 4096):
+        self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
+        self.fixed = None if depth is None else int(depth)
+        if not 0 <= self.max_depth <= 15:
+            raise ValueError("max_depth must be within 0..15")
+        self.shortlist_path = shortlist
+        self.explore_every = int(explore_every)
+        self.capacity = int(capacity)
+        self.model = self.runtime = self.drafter = self.costs = None
+        self._emitted = {"n": 0}  # tokens emitted before the current draft (read by the instrument)
+
+    # ------------------------------------------------------------------ setup
+
+    def prepare(self, model) -> None:
+        model.require_mtp(self.name)
+        self.model = model
+        self._build(self.capacity)
+        self.costs = self.measure_costs()
+
+    def _build(self, capacity: int) -> None:
+        cal = self.runtime.cal if self.runtime is not None else None
+        self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
+        ids = load_shortlist(self.shortlist_path) if self.shortlist_path else None
+        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids)
+
+    @torch.inference_mode()
+    def measure_costs(self, reps: int = 3) -> Costs:
+        """Seconds of a plain step, a head step and each verify window, on this device, now."""
+        rt, dr, dev = self.runtime, self.drafter, self.model.device
+        prompt = list(range(3, 3 + 16))
+        logits, hidden = rt.prefill(prompt)
+        dr.prefill(hidden, prompt)
+        tok = logits.argmax(-1).view(1, 1)
+
+        def timed(fn):
+            best = float("inf")
+            for _ in range(reps):
+                sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                sync(dev)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        step = timed(lambda: (rt.step(tok), setattr(rt, "length", rt.length - 1)))
+        row = hidden[:, -1:]
+        draft = timed(lambda: dr.forward_rows(row, tok, dr.filled))
+        verify = {}
+        for w in range(1, self.max_depth + 2):
+            block = tok.expand(1, w).contiguous()
+            verify[w] = timed(lambda: rt.verify(block))
+        rt.last_verify = None
+        return Costs(step=step, draft=draft, verify=verify)
+
+    def config(self) -> dict:
+        cfg = {"max_depth": self.max_depth, "depth": self.fixed, "shortlist": self.shortlist_path,
+               "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
+               else int(self.drafter.shortlist.numel()),
+               "explore_every": self.explore_every}
+        if self.runtime is not None:
+            cfg["graphs"] = self.runtime.use_graphs
+            cfg["calibration"] = self.runtime.cal.to_json()
+        if self.costs is not None:
+            cfg["costs_s"] = {"step": self.costs.step, "draft": self.costs.draft,
+                              "verify": {str(k): v for k, v in self.costs.verify.items()}}
+        return cfg
+
+    def new_policy(self) -> DepthPolicy:
+        return DepthPolicy(self.costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed)
+
+    # ------------------------------------------------------------------ decoding
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        needed = len(prompt_ids) + max_new_tokens + self.max_depth + 2
+        if needed > self.runtime.capacity:
+            self._build(-(-needed // 1024) * 1024)
+        rt, dr = self.runtime, self.drafter
+        eos = set(self.model.eos_token_ids)
+        policy = self.new_policy()
+        timer = PhaseTimer(self.model.device)
+        stats = DecodeStats(extra={"depth_trace": []})
+
+        t = timer.start()
+        logits, hidden = rt.prefill(prompt_ids)
+        dr.prefill(hidden, prompt_ids)
+        stats.forwards += 1
+        y = logits.argmax(-1).view(1, 1)
+        tokens = [int(y.item())]
+        timer.stop("other", t)
+        pend_h, pend_t = [hidden[:, -1:]], [y]  # head rows not yet computed with true inputs
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            depth = min(policy.choose(), max_new_tokens - len(tokens))
+            stats.extra["depth_trace"].append(depth)
+            if depth == 0:
+                t = timer.start()
+                prog = rt.step(y)
+                timer.stop("verify", t)
+                stats.forwards += 1
+                y = prog.ws["argmax"].view(1, 1).clone()
+                pend_h.append(prog.ws["hidden"].clone())
+                pend_t.append(y)
+                tokens.append(int(y.item()))
+                continue
+            t = timer.start()
+            self._emitted["n"] = len(tokens)
+            drafts = dr.draft(torch.cat(pend_h, dim=1), torch.cat(pend_t, dim=1), depth)
+            timer.stop("draft", t)
+            t = timer.start()
+            prog = rt.verify(torch.cat([y] + drafts, dim=1))
+            pred = prog.ws["argmax"].view(-1).tolist()
+            timer.stop("verify", t)
+            stats.forwards += 1
+            drafted = [int(d.item()) for d in drafts]
+            j = 0
+            while j < depth and pred[j] == drafted[j]:
+                j += 1
+            t = timer.start()
+            rt.accept(j + 1)
+            timer.stop("rollback", t)
+            policy.update(depth, j)
+            stats.record_round(depth, j)
+            for tok in drafted[:j] + [pred[j]]:
+                tokens.append(tok)
+                if tok in eos or len(tokens) >= max_new_tokens:
+                    break
+            y = torch.tensor([[pred[j]]], device=y.device)
+            pend_h = [prog.ws["hidden"][:, :j + 1].clone()]
+            pend_t = [torch.tensor([drafted[:j] + [pred[j]]], device=y.device)]
+        stats.extra["time_split"] = timer.result()
+        stats.extra["policy"] = policy.state()
+        return DecodeResult(tokens, stats)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class InstrumentedSpecDecoder(SpecDecoder):
+    """``spec-instrument``, for benchmarks only: acceptance set by hand on any model.
+
+    It runs the real draft computation, then replaces each draft with the control's token at that
+    position with probability ``alpha`` (otherwise with a token that is certainly wrong), so speed
+    at a chosen acceptance can be measured on random-weight models with every cost real. The
+    control's stream comes from ``prepare_prompt``, which the harness calls untimed before a
+    prompt's legs; runs are marked as an instrument and the audit refuses to score them.
+    """
+
+    name = "spec-instrument"
+    instrument = True
+
+    def __init__(self, alpha: float = 0.85, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        if not 0.0 <= float(alpha) <= 1.0:
+            raise ValueError("alpha must be within 0..1")
+        self.alpha, self.seed = float(alpha), int(seed)
+        self.reference: dict[tuple[int, ...], list[int]] = {}
+
+    def config(self) -> dict:
+        return {**super().config(), "instrument": True, "alpha": self.alpha, "seed": self.seed}
+
+    @torch.inference_mode()
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Compute the control's tokens for this prompt (exact runtime, serial), untimed."""
+        n = max_new_tokens + self.max_depth + 1
+        needed = len(prompt_ids) + n + self.max_depth + 2
+        if needed > self.runtime.capacity:
+            self._build(-(-needed // 1024) * 1024)
+        rt = self.runtime
+        logits, _ = rt.prefill(prompt_ids)
+        tok = logits.argmax(-1).view(1, 1)
+        ref = [int(tok.item())]
+        while len(ref) < n:
+            tok = rt.step(tok).ws["argmax"].view(1, 1)
+            ref.append(int(tok.item()))
+        self.reference[tuple(prompt_ids)] = ref
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        key = tuple(prompt_ids)
+        if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
+            self.prepare_prompt(prompt_ids, max_new_tokens)
+        ref = self.reference[key]
+        rng = torch.Generator().manual_seed(self.seed)
+        vocab = self.model.vocab_size
+        real_draft = self.drafter.draft
+        emitted = {"n": 0}
+
+        def substituted(pending_hidden, pending_tokens, depth):
+            drafts = real_draft(pending_hidden, pending_tokens, depth)  # every cost stays real
+            out = []
+            for i, d in enumerate(drafts):
+                pos = emitted["n"] + i
+                want = ref[pos] if pos < len(ref) else None
+                if want is not None and float(torch.rand((), generator=rng)) < self.alpha:
+                    out.append(torch.full_like(d, want))
+                else:
+                    wrong = (want if want is not None else int(d.item())) + 1 + int(torch.randint(vocab - 1, (), generator=rng))
+                    out.append(torch.full_like(d, wrong % vocab))
+            return out
+
+        self.drafter.draft = substituted
+        self._emitted = emitted
+        emitted["n"] = 0
+        try:
+            return super().decode(prompt_ids, max_new_tokens)
+        finally:
+            del self.drafter.draft

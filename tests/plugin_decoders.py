@@ -1,0 +1,98 @@
+"""Small plug-in decoders for the registry and harness tests (``--decoder plugin_decoders:ATTR``).
+
+pytest puts tests/ on sys.path (rootdir conftest, no __init__.py), so these import as
+``plugin_decoders`` in-process; a subprocess needs ``PYTHONPATH=tests``.
+"""
+from __future__ import annotations
+
+from decoders.base import DecodeResult, DecodeStats
+from decoders.serial import SerialDecoder
+
+
+class WrappedSerial:
+    """A plug-in that delegates to serial decoding (so it is exact), with its own name and config."""
+
+    name = "wrapped-serial"
+
+    def __init__(self, tag: str = "class"):
+        self.tag = tag
+        self.inner = SerialDecoder()
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+
+    def config(self) -> dict:
+        return {"tag": self.tag}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return self.inner.decode(prompt_ids, max_new_tokens)
+
+
+def make_wrapped_serial():
+    """A zero-argument factory function."""
+    return WrappedSerial(tag="factory")
+
+
+# an already-built decoder object (not callable): used as it is
+INSTANCE = WrappedSerial(tag="instance")
+
+
+class Failing(WrappedSerial):
+    """Raises on the ``fail_on``-th call of decode (warm-ups included): a decoder bug mid-run.
+    With the default warm-up and --legs 2 the candidate decodes 3 times per prompt, so call 5 is
+    the second prompt's first timed leg: the first prompt's records are already written."""
+
+    name = "failing"
+    fail_on = 5
+    error: type[BaseException] = RuntimeError
+    watch = None  # a directory whose listing is recorded in ``seen`` when the failure happens
+    seen = None
+
+    def __init__(self):
+        super().__init__(tag="failing")
+        self.calls = 0
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        self.calls += 1
+        if self.calls >= self.fail_on:
+            if self.watch is not None:
+                type(self).seen = sorted(p.name for p in self.watch.iterdir())
+            raise self.error(f"{self.name}: deliberate failure on decode call {self.calls}")
+        return super().decode(prompt_ids, max_new_tokens)
+
+
+class Interrupted(Failing):
+    """As if the user pressed Ctrl-C in the middle of a run."""
+
+    name = "interrupted"
+    error = KeyboardInterrupt
+
+
+class LacksDecode:
+    """Has a name, prepare and config, but no decode: not a decoder."""
+
+    name = "lacks-decode"
+
+    def prepare(self, model) -> None:
+        pass
+
+    def config(self) -> dict:
+        return {}
+
+
+class LacksName:
+    def prepare(self, model) -> None:
+        pass
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return DecodeResult([], DecodeStats())
+
+    def config(self) -> dict:
+        return {}
+
+
+NOT_A_DECODER = 42
+
+
+def make_nothing():
+    return None

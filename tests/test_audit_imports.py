@@ -1,0 +1,57 @@
+"""The audit's import rule: harness.schema / models / determinism / errors only; never
+harness.timing, harness.cli or decoders, so the code under audit cannot vouch for itself.
+(tests/test_audit_replay.py checks the same after a whole audit run.)"""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+AUDIT_DIR = Path(__file__).resolve().parent.parent / "audit"
+ALLOWED_HARNESS = {"harness.schema", "harness.models", "harness.determinism", "harness.errors"}
+
+
+def forbidden(name: str) -> bool:
+    return name == "decoders" or name.startswith("decoders.") or name in ("harness.timing", "harness.cli")
+
+
+def test_import_audit_cli_pulls_in_nothing_forbidden():
+    code = ("import sys, audit.cli\n"
+            "print(sorted(m for m in sys.modules if m == 'decoders' or m.startswith('decoders.')"
+            " or m in ('harness.timing', 'harness.cli')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_audit_sources_import_only_allowed_harness_modules():
+    """Static: every import statement in audit/, lazy ones inside functions included."""
+    for path in sorted(AUDIT_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" for a in node.names if base == "harness"]
+            else:
+                continue
+            for name in names:
+                assert not forbidden(name), f"{path.name} imports {name}"
+                if name.startswith("harness."):
+                    assert name in ALLOWED_HARNESS, f"{path.name} imports {name}"
+
+
+def test_pristine_replay_matches_the_serial_control(tiny):
+    """The audit's own serial path is bit-for-bit the control's (decoders.serial, imported here
+    by the test only): same greedy tokens, and the control's stream replays as exact."""
+    from audit.replay import PristineSerial, replay_prompt
+    from decoders.serial import SerialDecoder
+
+    control = SerialDecoder()
+    control.prepare(tiny)
+    prompt = list(range(40, 90))
+    tokens = control.decode(prompt, 20).tokens
+    result, greedy = replay_prompt(PristineSerial(tiny), prompt, [tuple(tokens)], 20, set(tiny.eos_token_ids))
+    assert greedy == tokens and result[tuple(tokens)] is None
+    assert torch.are_deterministic_algorithms_enabled()

@@ -1,0 +1,237 @@
+"""``harness time`` end to end on the tiny model: a complete, well-formed stream.jsonl, written
+atomically, and the CLI's help and listing."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fixtures.prompts import DEV_FILE, DEV_PROMPTS
+from harness import determinism
+from harness.cli import main
+from harness.schema import SCHEMA, abba_roles, read_stream
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, args, catch_exceptions=True)
+
+
+def time_args(out: Path, decoder: str, legs: int = 2, limit: int = 2, n: int = 8, *extra: str) -> list[str]:
+    return ["time", "--decoder", decoder, "--limit", str(limit), "-n", str(n), "--legs", str(legs),
+            "--out", str(out), *extra]
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir()) if out.exists() else []
+
+
+# --------------------------------------------------------------------------- stream.jsonl
+
+
+def check_stream(path: Path, *, decoder: str, legs: int, n: int, limit: int, tokenizer) -> list[dict]:
+    records, integrity = read_stream(path)
+    assert integrity == {"present": True, "count_ok": True, "sha256_ok": True}
+    header, end = records[0], records[-1]
+
+    # header
+    assert header["type"] == "header" and header["schema"] == SCHEMA
+    model = header["model"]
+    assert model["name"] == "tiny" and model["kind"] == "builtin" and model["layout"] == "multimodal"
+    assert len(model["config_sha256"]) == 64 and len(model["weights_fingerprint"]) == 64
+    assert header["dtype"] == "bfloat16"
+    assert header["device"]["type"] == "cpu" and header["device"]["name"].startswith("cpu")
+    import torch
+    import transformers
+
+    assert header["versions"]["torch"] == torch.__version__
+    assert header["versions"]["transformers"] == transformers.__version__
+    assert header["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert "cuda" in header["versions"]
+    det = header["determinism"]
+    for key, value in determinism.PINNED.items():
+        assert det[key] == value, key
+    assert determinism.differences(det) == []
+    assert header["control"]["name"] == "serial" and isinstance(header["control"]["config"], dict)
+    assert header["candidate"]["name"] == decoder and header["candidate"]["spec"] == decoder
+    assert isinstance(header["candidate"]["config"], dict)
+    assert header["prompts"] == {"source": "builtin:dev", "count": limit,
+                                 "sha256": hashlib.sha256(DEV_FILE.read_bytes()).hexdigest()}
+    assert header["max_new_tokens"] == n and header["legs"] == legs
+    assert header["seed"] == 0 and header["warmup_tokens"] == 8
+    assert header["command"][0] == "harness" and isinstance(header["command"], list)
+
+    # body: per prompt, a prompt record, 2L legs in ABBA order, a summary; then the end record
+    body = records[1:-1]
+    per_prompt = 1 + 2 * legs + 1
+    assert len(body) == limit * per_prompt
+    last_t_end = 0.0
+    ratios = []
+    for p in range(limit):
+        chunk = body[p * per_prompt:(p + 1) * per_prompt]
+        prompt, legs_recs, summary = chunk[0], chunk[1:-1], chunk[-1]
+        want = DEV_PROMPTS[p]
+        assert prompt["type"] == "prompt" and prompt["id"] == want["id"]
+        assert prompt["text"] == want["text"]
+        assert prompt["token_ids"] == tokenizer.encode(want["text"])
+        assert [r["type"] for r in legs_recs] == ["leg"] * (2 * legs)
+        assert [r["role"] for r in legs_recs] == abba_roles(legs)
+        assert [r["order"] for r in legs_recs] == list(range(2 * legs))
+        for role in ("control", "candidate"):
+            assert [r["leg"] for r in legs_recs if r["role"] == role] == list(range(legs))
+        control_tokens = legs_recs[0]["tokens"]
+        for r in legs_recs:
+            assert r["prompt_id"] == want["id"]
+            assert r["wall_s"] == r["t_end"] - r["t_start"] and r["wall_s"] > 0
+            assert r["t_start"] >= last_t_end  # legs are sequential, on one clock
+            last_t_end = r["t_end"]
+            assert r["peak_mem_bytes"] is None  # not measured on CPU
+            assert isinstance(r["tokens"], list) and 1 <= len(r["tokens"]) <= n
+            assert all(isinstance(t, int) for t in r["tokens"])
+            assert isinstance(r["stats"], dict) and r["stats"]["forwards"] >= 1
+            if r["role"] == "control":
+                assert r["tokens"] == control_tokens
+        assert summary["type"] == "summary" and summary["prompt_id"] == want["id"]
+        ctl = [r["wall_s"] for r in legs_recs if r["role"] == "control"]
+        cand = [r["wall_s"] for r in legs_recs if r["role"] == "candidate"]
+        assert summary["control_median_s"] == statistics.median(ctl)
+        assert summary["candidate_median_s"] == statistics.median(cand)
+        assert summary["ratio"] == summary["control_median_s"] / summary["candidate_median_s"]
+        same = all(r["tokens"] == control_tokens for r in legs_recs)
+        assert summary["same_tokens_as_control"] is same
+        ratios.append(summary["ratio"])
+
+    assert end["type"] == "end" and end["records"] == len(records) - 1
+    raw = path.read_bytes().splitlines(keepends=True)
+    assert end["sha256"] == hashlib.sha256(b"".join(raw[:-1])).hexdigest()
+    assert end["median_ratio"] == statistics.median(ratios)
+    return records
+
+
+@pytest.mark.parametrize("decoder,legs", [("serial", 2), ("spec-naive", 2), ("spec-naive", 3)])
+def test_stream_is_complete_and_well_formed(tmp_path, tiny_tokenizer, decoder, legs):
+    out = tmp_path / "run"
+    result = invoke(time_args(out, decoder, legs=legs))
+    assert result.exit_code == 0, result.output
+    assert leftovers(out) == ["stream.jsonl"]
+    records = check_stream(out / "stream.jsonl", decoder=decoder, legs=legs, n=8, limit=2, tokenizer=tiny_tokenizer)
+    if decoder == "serial":
+        assert all(r["tokens"] == records[2]["tokens"] for r in records if r["type"] == "leg"
+                   and r["prompt_id"] == records[1]["id"])
+    assert "median ratio" in result.stdout and "stream.jsonl" in result.stdout
+
+
+def test_abba_order():
+    assert abba_roles(1) == ["control", "candidate"]
+    assert abba_roles(2) == ["control", "candidate", "candidate", "control"]
+    assert abba_roles(3) == ["control", "candidate", "candidate", "control", "control", "candidate"]
+
+
+def test_command_recorded_from_real_process(tmp_path, tiny_tokenizer):
+    """Through a real process (the installed ``harness`` script): the header's command is this
+    command line, and a plug-in decoder is recorded by its spec."""
+    out = tmp_path / "run"
+    args = time_args(out, "plugin_decoders:WrappedSerial", 1, 1, 4)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")  # tiny model: threads only contend
+    # the installed console script when there is one (pip install -e .), else the module
+    exe = shutil.which("harness")
+    cmd = [exe] if exe else [sys.executable, "-m", "harness.cli"]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records, integrity = read_stream(out / "stream.jsonl")
+    assert all(integrity.values())
+    header = records[0]
+    assert header["command"] == ["harness", *args]
+    assert header["candidate"]["spec"] == "plugin_decoders:WrappedSerial"
+    assert header["candidate"]["name"] == "wrapped-serial"
+    assert header["candidate"]["config"] == {"tag": "class"}
+    assert header["legs"] == 1 and header["max_new_tokens"] == 4
+    legs = [r for r in records if r["type"] == "leg"]
+    assert [r["role"] for r in legs] == ["control", "candidate"]
+    assert legs[0]["tokens"] == legs[1]["tokens"]
+
+
+def test_default_out_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["time", "--decoder", "serial", "--limit", "1", "-n", "2", "--legs", "1"])
+    assert result.exit_code == 0, result.output
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("serial-")
+    assert leftovers(runs[0]) == ["stream.jsonl"]
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+@pytest.mark.parametrize("decoder,exit_code", [("plugin_decoders:Failing", 1),
+                                               ("plugin_decoders:Interrupted", 130)])
+def test_failure_mid_run_leaves_nothing(tmp_path, monkeypatch, decoder, exit_code):
+    import plugin_decoders
+
+    cls = getattr(plugin_decoders, decoder.split(":")[1])
+    out = tmp_path / "run"
+    monkeypatch.setattr(cls, "watch", out)
+    monkeypatch.setattr(cls, "seen", None)
+    result = invoke(time_args(out, decoder))
+    # the failure came mid-run: the temporary stream was there, holding the first prompt's records
+    assert cls.seen is not None and len(cls.seen) == 1, cls.seen
+    assert cls.seen[0].startswith(".stream.jsonl.") and cls.seen[0].endswith(".tmp")
+    assert result.exit_code == exit_code, result.output
+    if exit_code == 130:
+        assert result.stderr.strip().splitlines()[-1] == "error: interrupted; nothing was written"
+    else:
+        assert isinstance(result.exception, RuntimeError) and "deliberate failure" in str(result.exception)
+    assert leftovers(out) == []  # neither stream.jsonl nor its temporary file
+
+
+def test_existing_stream_needs_force(tmp_path, tiny_tokenizer):
+    out = tmp_path / "run"
+    out.mkdir()
+    stream = out / "stream.jsonl"
+    stream.write_text("precious\n")
+
+    result = invoke(time_args(out, "serial"))
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "--force" in result.stderr and "Traceback" not in result.output
+    assert stream.read_text() == "precious\n"
+
+    for decoder in ("plugin_decoders:Failing", "plugin_decoders:Interrupted"):
+        result = invoke([*time_args(out, decoder), "--force"])
+        assert result.exit_code != 0
+        assert stream.read_text() == "precious\n", f"a failed --force run ({decoder}) replaced the stream"
+        assert leftovers(out) == ["stream.jsonl"]
+
+    result = invoke([*time_args(out, "serial"), "--force"])
+    assert result.exit_code == 0, result.output
+    assert leftovers(out) == ["stream.jsonl"]
+    check_stream(stream, decoder="serial", legs=2, n=8, limit=2, tokenizer=tiny_tokenizer)
+
+
+# --------------------------------------------------------------------------- help and listing
+
+
+def test_help_and_list():
+    result = invoke(["--help"])
+    assert result.exit_code == 0
+    assert "time" in result.stdout and "list" in result.stdout and "audit replay" in result.stdout
+
+    result = invoke(["time", "--help"])
+    assert result.exit_code == 0
+    for word in ("--decoder", "--model", "--prompts", "--max-new-tokens", "--legs", "--device", "--out",
+                 "--force", "tiny", "synthetic-9b", "dev", "random-512", "ABBA"):
+        assert word in result.stdout, word
+
+    result = invoke(["list"])
+    assert result.exit_code == 0
+    for word in ("serial", "spec-naive", "[control]", "[default]", "tiny", "synthetic-9b", "dev", "random-512"):
+        assert word in result.stdout, word

@@ -1,0 +1,98 @@
+"""Adaptive depth, driven through its states with synthetic acceptance and costs."""
+import random
+
+import pytest
+
+from decoders.policy import Costs, DepthPolicy
+
+# Shaped like the H200 measurements in bench/NOTES.md: step 9.8 ms, window w costs ~1 + 0.1*(w-1)
+# steps, a head step ~0.5 ms.
+GPU = Costs(step=9.8e-3, draft=0.5e-3, verify={w: 9.8e-3 * (1 + 0.105 * (w - 1)) for w in range(1, 10)})
+
+
+def drive(policy, alpha, rounds, seed=0):
+    """Feed the policy rounds where each draft is accepted with probability alpha."""
+    rng = random.Random(seed)
+    depths = []
+    for _ in range(rounds):
+        d = policy.choose()
+        depths.append(d)
+        j = 0
+        while j < d and rng.random() < alpha:
+            j += 1
+        if d:
+            policy.update(d, j)
+    return depths
+
+
+def test_zero_acceptance_settles_on_plain_steps_with_rare_probes():
+    p = DepthPolicy(GPU, max_depth=6, explore_every=32)
+    depths = drive(p, 0.0, 2000)
+    tail = depths[200:]
+    probes = sum(1 for d in tail if d > 0)
+    assert probes <= len(tail) / 32 + 1 and all(d in (0, 1) for d in tail)
+    # cost of probing at zero acceptance, in steps: must stay well under the 3% budget
+    extra = probes * (GPU.round_time(1) - GPU.step) / (len(tail) * GPU.step)
+    assert extra < 0.01
+
+
+def test_high_acceptance_goes_deep():
+    p = DepthPolicy(GPU, max_depth=6)
+    depths = drive(p, 0.95, 400)
+    assert sum(depths[100:]) / len(depths[100:]) > 5
+
+
+def test_medium_acceptance_picks_intermediate_depth():
+    p = DepthPolicy(GPU, max_depth=8)
+    depths = drive(p, 0.6, 600)
+    mean = sum(depths[200:]) / len(depths[200:])
+    assert 1.5 < mean < 6
+
+
+def test_tracks_a_change_in_acceptance():
+    p = DepthPolicy(GPU, max_depth=6)
+    drive(p, 0.95, 300)
+    assert p.best_depth() >= 5
+    drive(p, 0.0, 300)
+    assert p.best_depth() == 0
+    drive(p, 0.95, 600, seed=1)
+    assert p.best_depth() >= 4
+
+
+def test_expensive_verification_means_no_speculation():
+    costly = Costs(step=1.0, draft=0.5, verify={w: 1.0 * w for w in range(1, 10)})
+    p = DepthPolicy(costly, max_depth=4)
+    drive(p, 0.9, 300)
+    assert p.best_depth() <= 1
+
+
+def test_choice_maximises_tokens_per_second():
+    p = DepthPolicy(GPU, max_depth=6)
+    drive(p, 0.7, 300)
+    best = p.best_depth()
+    rates = [p.expected_tokens(d) / GPU.round_time(d) for d in range(7)]
+    assert rates[best] == max(rates)
+
+
+def test_fixed_depth_and_validation():
+    p = DepthPolicy(GPU, max_depth=4, fixed=3)
+    assert {p.choose() for _ in range(10)} == {3}
+    with pytest.raises(ValueError):
+        DepthPolicy(GPU, max_depth=4, fixed=5)
+    with pytest.raises(ValueError):
+        DepthPolicy(Costs(step=1, draft=1, verify={1: 1}), max_depth=2)
+    with pytest.raises(ValueError):
+        p.update(2, 3)
+    with pytest.raises(ValueError):
+        p.update(5, 0)
+
+
+def test_only_observed_drafts_update():
+    p = DepthPolicy(GPU, max_depth=4)
+    before = list(p.accept)
+    p.update(4, 1)  # draft 1 accepted, draft 2 rejected, drafts 3-4 never seen
+    after = p.accept
+    assert after[0] > before[0] and after[1] < before[1]
+    assert p.trials[2:] == [0.0, 0.0] and p.hits[2:] == [0.0, 0.0]
+    # unseen depths follow the deepest evidence: after a rejection at depth 2 they are lowered too
+    assert after[2] == pytest.approx(after[1]) and after[3] == pytest.approx(after[1])

@@ -1,0 +1,132 @@
+"""``spec`` and its instrument emit exactly the serial control's tokens (CPU, tiny).
+
+Random MTP heads accept almost nothing, so the instrument (drafts replaced by the control's token
+with probability alpha) is what drives long accepted runs, rollbacks at every row and the head's
+catch-up; the plain head covers the all-rejected path. Depths fixed 1..6 and adaptive, shortlist
+on and off, EOS-terminated and long generations.
+"""
+import dataclasses
+import json
+
+import pytest
+
+from decoders.serial import SerialDecoder
+from decoders.spec import InstrumentedSpecDecoder, SpecDecoder
+from fixtures.prompts import DEV_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def serial(tiny):
+    dec = SerialDecoder()
+    dec.prepare(tiny)
+    return dec
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    return [tiny_tokenizer.encode(p["text"]) for p in DEV_PROMPTS[:3]]
+
+
+@pytest.fixture(scope="module")
+def shortlist_file(tmp_path_factory, serial, prompts):
+    """A request-independent shortlist: the most frequent ids in generated text."""
+    from collections import Counter
+
+    counts = Counter()
+    for ids in prompts:
+        counts.update(serial.decode(ids, 48).tokens)
+    path = tmp_path_factory.mktemp("shortlist") / "shortlist.json"
+    path.write_text(json.dumps({"ids": [t for t, _ in counts.most_common(200)], "source": "test"}))
+    return str(path)
+
+
+def assert_exact(dec, serial, prompts, n):
+    for ids in prompts:
+        got = dec.decode(ids, n)
+        assert got.tokens == serial.decode(ids, n).tokens
+    return got
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 6])
+def test_instrument_exact_at_fixed_depths(tiny, serial, prompts, depth):
+    dec = InstrumentedSpecDecoder(alpha=0.8, depth=depth, seed=depth)
+    dec.prepare(tiny)
+    res = assert_exact(dec, serial, prompts, 40)
+    assert res.stats.accepted > 0 and res.stats.drafted > res.stats.accepted  # accepts and rejects happened
+    assert set(res.stats.extra["depth_trace"]) == {depth} or res.stats.extra["depth_trace"][-1] < depth
+
+
+def test_instrument_adaptive_every_accept_length(tiny, serial, prompts):
+    from decoders.policy import Costs
+
+    dec = InstrumentedSpecDecoder(alpha=0.7, max_depth=6, seed=3)
+    dec.prepare(tiny)
+    # CPU windows are slow (eager), so measured costs keep the policy shallow; give it costs shaped
+    # like the H200's (bench/NOTES.md) so that it goes deep and every rollback row is exercised
+    dec.costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+    seen = set()
+    for seed in range(4):
+        dec.seed = seed
+        res = assert_exact(dec, serial, prompts, 64)
+        seen |= {int(k) for k in res.stats.to_json()["accept_hist"]}
+    assert len(seen) >= 4  # several distinct accept lengths, so rollbacks to several rows
+
+
+def test_instrument_full_acceptance(tiny, serial, prompts):
+    dec = InstrumentedSpecDecoder(alpha=1.0, depth=4)
+    dec.prepare(tiny)
+    res = assert_exact(dec, serial, prompts, 41)
+    assert res.stats.accept_hist.keys() <= {4, 3, 2, 1, 0} and res.stats.accept_hist[4] >= 8
+    assert res.stats.to_json()["mean_accepted_length"] > 4
+
+
+def test_real_head_exact_with_and_without_shortlist(tiny, serial, prompts, shortlist_file):
+    for kwargs in ({"depth": 3}, {"depth": 2, "shortlist": shortlist_file}, {}):
+        dec = SpecDecoder(**kwargs)
+        dec.prepare(tiny)
+        assert_exact(dec, serial, prompts, 32)
+    assert dec.drafter.shortlist is None
+    short = SpecDecoder(depth=2, shortlist=shortlist_file)
+    short.prepare(tiny)
+    size = len(json.loads(open(shortlist_file).read())["ids"])
+    assert short.drafter.head_weight.shape[0] == size and short.config()["shortlist_size"] == size < tiny.vocab_size
+
+
+def test_instrument_with_shortlist(tiny, serial, prompts, shortlist_file):
+    dec = InstrumentedSpecDecoder(alpha=0.85, depth=3, shortlist=shortlist_file)
+    dec.prepare(tiny)
+    assert_exact(dec, serial, prompts, 40)
+
+
+def test_eos_terminated(tiny, serial, prompts):
+    stream = serial.decode(prompts[0], 40).tokens
+    eos_model = dataclasses.replace(tiny, eos_token_ids=(stream[17],))
+    ref = SerialDecoder()
+    ref.prepare(eos_model)
+    want = ref.decode(prompts[0], 40).tokens
+    assert want[-1] == stream[17] and len(want) < 40
+    for dec in (InstrumentedSpecDecoder(alpha=0.9, depth=5), SpecDecoder(depth=2)):
+        dec.prepare(eos_model)
+        assert dec.decode(prompts[0], 40).tokens == want
+
+
+def test_long_generation_grows_capacity(tiny, serial, prompts):
+    dec = InstrumentedSpecDecoder(alpha=0.8, max_depth=4, capacity=128)
+    dec.prepare(tiny)
+    assert dec.decode(prompts[1], 200).tokens == serial.decode(prompts[1], 200).tokens
+    assert dec.runtime.capacity >= len(prompts[1]) + 200
+
+
+def test_stats_carry_depth_trace_and_time_split(tiny, prompts):
+    dec = InstrumentedSpecDecoder(alpha=0.8, depth=3)
+    dec.prepare(tiny)
+    stats = dec.decode(prompts[0], 30).stats.to_json()
+    assert set(stats["time_split"]) <= {"draft", "verify", "rollback", "other"}
+    assert len(stats["depth_trace"]) >= 1 and stats["drafted_by_depth"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        SpecDecoder(max_depth=99)
+    with pytest.raises(ValueError):
+        InstrumentedSpecDecoder(alpha=1.5)
