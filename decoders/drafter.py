@@ -53,6 +53,7 @@ class MTPDrafter:
             self.shortlist = torch.tensor(sorted(set(shortlist)), dtype=torch.long, device=dev)
             self.head_weight = lm.lm_head.weight.index_select(0, self.shortlist).contiguous()
         self._arange = torch.arange(capacity, device=dev)
+        self._build_step()
 
     def nbytes(self) -> int:
         extra = self.head_weight.numel() * self.head_weight.element_size() if self.shortlist is not None else 0
@@ -65,14 +66,23 @@ class MTPDrafter:
         m = tokens.shape[-1]
         if start + m > self.capacity:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
+        positions = self._arange[start:start + m]
+        x, query, gate = self._pre(hidden, tokens.view(1, m), positions)
+        mask = None
+        if m > 1:  # causal within the new rows; a single row sees every cached position
+            mask = (self._arange[:start + m].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, start + m)
+        return self._post(x, self._attend(query, start + m, mask), gate)
+
+    def _pre(self, hidden, tokens, positions):
+        """fc over [embedding, hidden], input norm, q/k/v with their norms and RoPE; K/V written at
+        ``positions``. Returns (residual x, query [1,nh,m,hd], gate)."""
         head, inner, cal = self.head, self.lm.model, self.cal
         layer = head.layers[0]
         attn = layer.self_attn
-        positions = self._arange[start:start + m]
-        x = head.fuse(inner.embed_tokens(tokens.view(1, m)), hidden)
+        m, hd = tokens.shape[-1], attn.head_dim
+        x = head.fuse(inner.embed_tokens(tokens), hidden)
         cos, sin = inner.rotary_emb(x, positions.view(1, 1, -1).expand(3, 1, -1))
         h = L.rms_norm(layer.input_layernorm, x, cal)
-        hd = attn.head_dim
         query, gate = torch.chunk(L.linear(attn.q_proj, h, cal).view(1, m, -1, hd * 2), 2, dim=-1)
         query = L.rms_norm(attn.q_norm, query, cal, 1 << 30).transpose(1, 2)
         key = L.rms_norm(attn.k_norm, attn.k_proj(h).view(1, m, -1, hd), cal, 1 << 30).transpose(1, 2)
@@ -80,17 +90,75 @@ class MTPDrafter:
         query, key = L.apply_rotary_pos_emb(query, key, cos, sin)
         self.keys.index_copy_(2, positions, key)
         self.values.index_copy_(2, positions, value)
-        length = start + m
-        mask = None
-        if m > 1:
-            mask = (self._arange[:length].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, length)
+        return x, query, gate
+
+    def _attend(self, query, length: int, mask):
+        attn = self.head.layers[0].self_attn
         out = F.scaled_dot_product_attention(query, self.keys[:, :, :length], self.values[:, :, :length],
                                              attn_mask=mask, scale=attn.scaling,
                                              enable_gqa=attn.num_key_value_groups > 1)
-        out = out.transpose(1, 2).reshape(1, m, -1)
-        x = x + attn.o_proj(out * torch.sigmoid(gate.reshape(1, m, -1)))
+        return out.transpose(1, 2).reshape(1, query.shape[2], -1)
+
+    def _post(self, x, attn_out, gate):
+        layer, cal = self.head.layers[0], self.cal
+        m = x.shape[1]
+        x = x + layer.self_attn.o_proj(attn_out * torch.sigmoid(gate.reshape(1, m, -1)))
         x = x + L.mlp(layer.mlp, L.rms_norm(layer.post_attention_layernorm, x, cal), cal)
-        return L.rms_norm(head.norm, x, cal)
+        return L.rms_norm(self.head.norm, x, cal)
+
+    # ------------------------------------------------------------------ the chained draft step
+
+    def _build_step(self):
+        """One chained draft step over static buffers: the head's output and token feed the next
+        step in place. On the GPU the parts before and after attention are CUDA graphs (attention's
+        KV length grows, so it runs eagerly in between, as in the runtime)."""
+        dev, dtype = self.keys.device, self.keys.dtype
+        hidden_size = self.lm.config.hidden_size
+        attn = self.head.layers[0].self_attn
+        self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
+        self.in_token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.step_attn = torch.zeros(1, 1, self.lm.config.num_attention_heads * attn.head_dim, dtype=dtype, device=dev)
+        self.step_ws = {}
+
+        def pre():
+            self.step_ws["pre"] = self._pre(self.in_hidden, self.in_token, self.step_pos)
+
+        def post():
+            x, _, gate = self.step_ws["pre"]
+            out = self._post(x, self.step_attn, gate)
+            self.in_token.copy_(self.draft_token(out))
+            self.in_hidden.copy_(out)
+
+        self._step_fns = (pre, post)
+        self._step_graphs = None
+        if dev.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    pre()
+                    self.step_attn.copy_(self._attend(self.step_ws["pre"][1], 1, None))
+                    post()
+            torch.cuda.current_stream().wait_stream(side)
+            graphs = []
+            for fn in (pre, post):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                graphs.append(g)
+            self._step_graphs = graphs
+
+    def _chained_step(self, position: int) -> torch.Tensor:
+        """Consume (in_hidden, in_token) at ``position``; leaves the next draft in in_token."""
+        if position + 1 > self.capacity:
+            raise ValueError(f"drafter capacity {self.capacity} exceeded")
+        self.step_pos.fill_(position)
+        pre, post = self._step_graphs or (None, None)
+        pre.replay() if pre else self._step_fns[0]()
+        self.step_attn.copy_(self._attend(self.step_ws["pre"][1], position + 1, None))
+        post.replay() if post else self._step_fns[1]()
+        return self.in_token.clone()
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
@@ -116,13 +184,25 @@ class MTPDrafter:
         out = self.forward_rows(pending_hidden, pending_tokens, start)
         pos = start + pending_tokens.shape[-1]
         self.filled = pos  # every pending row had true inputs; the chained rows after it do not
-        drafts = [self.draft_token(out[:, -1:])]
-        hidden = out[:, -1:]
-        for _ in range(depth - 1):
-            hidden = self.forward_rows(hidden, drafts[-1], pos)
-            pos += 1
-            drafts.append(self.draft_token(hidden))
+        drafts = [self.draft_token(out[:, -1:]).view(1, 1)]
+        if depth > 1:
+            self.in_hidden.copy_(out[:, -1:])
+            self.in_token.copy_(drafts[0])
+            for _ in range(depth - 1):
+                drafts.append(self._chained_step(pos))
+                pos += 1
         return drafts
+
+
+SHORTLIST_FILE = "draft_shortlist.json"
+
+
+def default_shortlist(model) -> str | None:
+    """The shortlist stored beside a checkpoint's head, if any (built-ins have none)."""
+    if model.identity.get("kind") != "checkpoint":
+        return None
+    path = Path(model.identity["name"]) / SHORTLIST_FILE
+    return str(path) if path.is_file() else None
 
 
 def load_shortlist(path: Path) -> list[int]:

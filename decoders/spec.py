@@ -9,7 +9,8 @@ token is the argmax of logits bit-identical to the serial control's, whatever th
 Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder arguments:
   max_depth      largest draft depth (window = depth + 1 rows), default 6
   depth          fix the depth instead of adapting (benchmarks)
-  shortlist      JSON file of draft token ids (see decoders/drafter.py), default none
+  shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
+                 checkpoint's draft_shortlist.json when there is one, else the full vocabulary
   explore_every  rounds at depth 0 between probes at depth 1, default 32
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 
 from decoders.base import DecodeResult, DecodeStats
-from decoders.drafter import MTPDrafter, load_shortlist
+from decoders.drafter import MTPDrafter, default_shortlist, load_shortlist
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 
@@ -80,7 +81,8 @@ class SpecDecoder:
     def _build(self, capacity: int) -> None:
         cal = self.runtime.cal if self.runtime is not None else None
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
-        ids = load_shortlist(self.shortlist_path) if self.shortlist_path else None
+        path = self.shortlist_path or default_shortlist(self.model)
+        ids = load_shortlist(path) if path else None
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids)
 
     @torch.inference_mode()
@@ -103,8 +105,9 @@ class SpecDecoder:
             return best
 
         step = timed(lambda: (rt.step(tok), setattr(rt, "length", rt.length - 1)))
-        row = hidden[:, -1:]
-        draft = timed(lambda: dr.forward_rows(row, tok, dr.filled))
+        dr.in_hidden.copy_(hidden[:, -1:])
+        dr.in_token.copy_(tok)
+        draft = timed(lambda: dr._chained_step(dr.filled))
         verify = {}
         for w in range(1, self.max_depth + 2):
             block = tok.expand(1, w).contiguous()
@@ -113,7 +116,8 @@ class SpecDecoder:
         return Costs(step=step, draft=draft, verify=verify)
 
     def config(self) -> dict:
-        cfg = {"max_depth": self.max_depth, "depth": self.fixed, "shortlist": self.shortlist_path,
+        cfg = {"max_depth": self.max_depth, "depth": self.fixed,
+               "shortlist": self.shortlist_path or (default_shortlist(self.model) if self.model else None),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
                "explore_every": self.explore_every}

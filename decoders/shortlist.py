@@ -1,0 +1,79 @@
+"""Build a draft shortlist: the token ids the MTP head's draft logits are restricted to.
+
+    python -m decoders.shortlist --model MODEL [--prompts PROMPTS] [-n 256] [--size 32768] --out FILE
+
+Request-independent by construction: built offline, once per model, from token frequencies of the
+model's own greedy generations on a prompt set (never from the request being decoded). If fewer
+distinct tokens were generated than ``--size``, the rest is filled with the lowest unseen ids, so
+the size is what was asked. Stored as JSON ``{"ids": [...], ...}``; put it beside a checkpoint as
+``draft_shortlist.json`` and ``spec`` uses it by default. Verification always uses the full
+vocabulary: a shortlist can only change which drafts are proposed, never which tokens are emitted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def build(model, prompts, max_new_tokens: int, size: int, progress=None) -> dict:
+    from decoders.fast_serial import FastSerialDecoder
+
+    if size < 1 or size > model.vocab_size:
+        raise ValueError(f"shortlist size must be within 1..{model.vocab_size}")
+    dec = FastSerialDecoder()
+    dec.prepare(model)
+    counts: Counter = Counter()
+    for i, prompt in enumerate(prompts):
+        counts.update(dec.decode(prompt.token_ids, max_new_tokens).tokens)
+        if progress:
+            progress(i + 1, len(prompts))
+    ids = [t for t, _ in counts.most_common(size)]
+    seen = set(ids)
+    fill = (t for t in range(model.vocab_size) if t not in seen)
+    while len(ids) < size:
+        ids.append(next(fill))
+    return {"ids": ids, "size": size, "generated_tokens": sum(counts.values()),
+            "distinct_generated": len(counts), "model": model.identity, "max_new_tokens": max_new_tokens}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
+    ap.add_argument("--size", type=int, default=32768)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from harness import determinism
+
+    determinism.pin()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from harness.errors import UserError
+    from harness.models import load_model
+    from harness.prompts import load_prompts
+    from harness.schema import write_json_atomic
+
+    try:
+        model = load_model(args.model, args.device)
+        prompts, info = load_prompts(args.prompts, model)
+        data = build(model, prompts, args.max_new_tokens, min(args.size, model.vocab_size),
+                     lambda i, n: print(f"generated {i}/{n}", file=sys.stderr))
+    except (UserError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    data["prompts"] = info
+    write_json_atomic(args.out, data)
+    print(f"wrote {args.out}: {data['size']} ids ({data['distinct_generated']} distinct in "
+          f"{data['generated_tokens']} generated tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The draft shortlist: built offline from generated text, sized as asked, found beside a checkpoint."""
+import json
+import shutil
+
+from decoders.shortlist import build, main
+from decoders.spec import SpecDecoder
+from harness.models import load_model
+from harness.prompts import load_prompts
+
+
+def test_build_sizes_and_fills(tiny):
+    prompts, _ = load_prompts("dev", tiny, limit=2)
+    data = build(tiny, prompts, 16, 300)
+    ids = data["ids"]
+    assert len(ids) == 300 == len(set(ids)) and all(0 <= t < tiny.vocab_size for t in ids)
+    assert data["distinct_generated"] <= data["generated_tokens"] == 32
+    # the most frequent generated tokens come first; the fill is the lowest unseen ids, in order
+    fill = ids[data["distinct_generated"]:]
+    assert fill == sorted(fill)
+
+
+def test_cli_writes_file_and_spec_finds_it_beside_checkpoint(tmp_path, tiny):
+    from harness.models import TINY_DIR
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TINY_DIR, ckpt)
+    assert main(["--model", str(ckpt), "-n", "8", "--size", "128", "--out", str(ckpt / "draft_shortlist.json")]) == 0
+    assert len(json.loads((ckpt / "draft_shortlist.json").read_text())["ids"]) == 128
+    model = load_model(str(ckpt), "cpu")
+    spec = SpecDecoder(depth=2)
+    spec.prepare(model)
+    assert spec.drafter.shortlist is not None and spec.drafter.head_weight.shape[0] == 128
+    assert spec.config()["shortlist"].endswith("draft_shortlist.json")
+    plain = SpecDecoder(depth=2)
+    plain.prepare(tiny)  # a built-in: no shortlist unless given
+    assert plain.drafter.shortlist is None
+
+
+def test_cli_rejects_bad_size(tmp_path, capsys):
+    assert main(["--model", "tiny", "--size", "0", "--out", str(tmp_path / "s.json")]) == 2
+    assert "error:" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
