@@ -67,7 +67,7 @@ def list_cmd():
 @main.command("time")
 @click.option("--decoder", "decoder_spec", default=None, metavar="NAME",
               help="Candidate decoder: a registered name (see `harness list`) or package.module:attr. "
-                   "Default: spec-naive.")
+                   "Default: spec.")
 @click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
               help="Constructor argument for the candidate decoder (repeatable), e.g. max_depth=4.")
 @click.option("--model", "model_spec", default="tiny", show_default=True, metavar="MODEL",
