@@ -40,8 +40,9 @@ def tiny_harness_run(tmp_path_factory):
     from harness.cli import main as harness_main
 
     out = tmp_path_factory.mktemp("tiny-run")
-    res = CliRunner().invoke(harness_main, ["time", "--limit", "3", "-n", "16", "--legs", "2",
-                                            "--warmup-tokens", "0", "--out", str(out), "--report"])
+    # spec-naive: a fixed depth of 3, so every round drafts and the acceptance figure has data
+    res = CliRunner().invoke(harness_main, ["time", "--decoder", "spec-naive", "--limit", "3", "-n", "16",
+                                            "--legs", "2", "--warmup-tokens", "0", "--out", str(out), "--report"])
     assert res.exit_code == 0, res.output
     return out, res.output
 
