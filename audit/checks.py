@@ -103,6 +103,26 @@ def check_device(recorded: dict, replay_type: str, replay_name: str, allow_misma
                     recorded=recorded, replayed={"type": replay_type, "name": replay_name})]
 
 
+def recorded_devices(header: dict) -> list[dict]:
+    """Every device the run was recorded on: the header's, and under torchrun each rank's."""
+    ranks = header.get("ranks") if isinstance(header.get("ranks"), list) else []
+    out = []
+    for dev in [header["device"], *(r["device"] for r in ranks if isinstance(r, dict) and "device" in r)]:
+        if dev not in out:
+            out.append(dev)
+    return out
+
+
+def check_devices(header: dict, replay_devices: list[dict], allow_mismatch: bool) -> list[dict]:
+    """``check_device`` for every pair of a recording device and a replay device (one of each for
+    a single process; under torchrun every replay rank must match every recording rank)."""
+    out = []
+    for replayed in [d for i, d in enumerate(replay_devices) if d not in replay_devices[:i]]:
+        for recorded in recorded_devices(header):
+            out += check_device(recorded, replayed["type"], replayed["name"], allow_mismatch)
+    return out
+
+
 def check_determinism(recorded, differences) -> list[dict]:
     """``differences`` is harness.determinism.differences, called after the audit pinned."""
     if not isinstance(recorded, dict) or not recorded:
@@ -211,8 +231,18 @@ def check_leg_timing(p: PromptRun) -> list[dict]:
     return out
 
 
-def check_prompt_sequence(prompts: list[PromptRun]) -> list[dict]:
-    """Prompts ran one after another: each prompt's legs start after the previous prompt's end."""
+def check_prompt_sequence(prompts: list[PromptRun], world_size: int = 1) -> list[dict]:
+    """Prompts ran one after another: each prompt's legs start after the previous prompt's end.
+    Under torchrun each rank has its own clock: prompt i ran on rank i % world_size
+    (``check_ranks`` holds the file to that), so the rule holds among each rank's prompts."""
+    out = []
+    for rank in range(world_size):
+        out += check_one_clock(prompts[rank::world_size])
+    return out
+
+
+def check_one_clock(prompts: list[PromptRun]) -> list[dict]:
+    """The prompts one process ran, in order, on its one monotonic clock."""
     out, prev = [], None
     for p in prompts:
         if not p.legs:
@@ -222,6 +252,26 @@ def check_prompt_sequence(prompts: list[PromptRun]) -> list[dict]:
             out.append(finding("tamper", "fail", p.id,
                                f"prompt {p.id!r} legs start at {start!r}, before prompt {prev[0]!r} ended at {prev[1]!r}"))
         prev = (p.id, max(end, prev[1]) if prev else end)
+    return out
+
+
+def check_ranks(run: Run) -> list[dict]:
+    """Under torchrun the harness gives prompt i to rank i % world_size and times all its legs
+    there; a prompt or leg recorded elsewhere would escape the per-rank clock checks."""
+    world = run.world_size
+    if world <= 1:
+        return []
+    out = []
+    for i, p in enumerate(run.prompts):
+        want = i % world
+        if not (is_int(p.rank) and p.rank == want):
+            out.append(finding("tamper", "fail", p.id,
+                               f"prompt {p.id!r} is recorded on rank {p.rank!r}, but as prompt {i} of a "
+                               f"{world}-rank run it ran on rank {want} (i % world_size)", rank=p.rank, expected=want))
+        stray = [leg_label(r) for r in p.legs if not (is_int(r.get("rank")) and r["rank"] == want)]
+        if stray:
+            out.append(finding("tamper", "fail", p.id, f"legs {stray} are not recorded on rank {want}, "
+                               "the rank that ran their prompt", legs=stray, expected=want))
     return out
 
 
@@ -330,30 +380,50 @@ def resident_bytes(header: dict) -> dict | None:
     return None
 
 
+def rank_resident_bytes(header: dict, rank) -> dict | None:
+    """Under torchrun each rank prepared its own decoders, so its own resident bytes (header
+    ``ranks[r].resident_bytes``) apply to its legs; otherwise, or where absent, the header's."""
+    ranks = header.get("ranks")
+    if header.get("world_size", 1) > 1 and isinstance(ranks, list) and is_int(rank) and 0 <= rank < len(ranks):
+        own = resident_bytes({"memory": {"resident_bytes": ranks[rank].get("resident_bytes")}})
+        if own is not None:
+            return own
+    return resident_bytes(header)
+
+
+def leg_resident(header: dict, rec: dict) -> dict | None:
+    return rank_resident_bytes(header, rec.get("rank"))
+
+
 def other_role(role: str) -> str:
     return "candidate" if role == "control" else "control"
 
 
-def own_peak_bytes(legs: list[dict], role: str, resident: dict | None) -> int | None:
+def own_peak_bytes(legs: list[dict], role: str, header: dict) -> int | None:
     """A side's peak over its legs, without the other decoder's resident bytes: both decoders
-    live in one process, so each leg's raw allocator peak also holds the other's buffers."""
-    raw = peak_bytes(legs)
-    if raw is None or resident is None:
-        return raw
-    return raw - resident[other_role(role)]
+    live in one process, so each leg's raw allocator peak also holds the other's buffers (the
+    resident bytes of the leg's own rank under torchrun)."""
+    own = []
+    for r in legs:
+        raw, res = r.get("peak_mem_bytes"), leg_resident(header, r)
+        if raw is not None:
+            own.append(raw if res is None else raw - res[other_role(role)])
+    return max(own) if own else None
 
 
 def check_resident(run: Run) -> list[dict]:
     """Every raw peak holds the other decoder's resident bytes, so it cannot be smaller."""
-    res = resident_bytes(run.header)
-    if res is None:
-        return []
-    low = [f"{p.id}/{leg_label(r)}" for p in run.prompts for r in p.legs
-           if r.get("peak_mem_bytes") is not None and r["peak_mem_bytes"] < res[other_role(r["role"])]]
+    low, shown = [], None
+    for p in run.prompts:
+        for r in p.legs:
+            res, peak = leg_resident(run.header, r), r.get("peak_mem_bytes")
+            if res is not None and peak is not None and peak < res[other_role(r["role"])]:
+                low.append(f"{p.id}/{leg_label(r)}")
+                shown = shown or res
     if low:
         return [finding("tamper", "fail", None,
                         f"{len(low)} legs (e.g. {low[0]}) peak below the other decoder's resident bytes "
-                        f"{res}: the header's memory.resident_bytes or the peaks were edited", legs=low)]
+                        f"{shown}: the header's memory.resident_bytes or the peaks were edited", legs=low)]
     return []
 
 
@@ -433,7 +503,8 @@ def run_checks(run: Run) -> list[dict]:
         out += check_leg_timing(p)
         out += check_control_consistency(p)
         out += check_warm_leg(p, run.legs)
-    out += check_prompt_sequence(run.prompts)
+    out += check_ranks(run)
+    out += check_prompt_sequence(run.prompts, max(1, run.world_size))
     out += check_memory_recorded(run.prompts)
     out += check_resident(run)
     per_prompt, median = recompute_ratios(run.prompts)

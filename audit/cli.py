@@ -4,10 +4,10 @@
 stream, replays every token through its own pristine serial greedy path, recomputes every ratio
 from the raw legs, checks the file for tampering, scores the run and writes audit.json.
 
-Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input
-(one line on stderr, nothing written).
+Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input,
+or under torchrun a rank that failed or hung (one line on stderr, nothing written).
 
-Import rule: harness.schema / models / determinism / errors only; never harness.timing,
+Import rule: harness.schema / models / determinism / errors / dist only; never harness.timing,
 harness.cli or decoders (tests/test_audit_imports.py).
 """
 from __future__ import annotations
@@ -18,15 +18,16 @@ from pathlib import Path
 
 import click
 
-from harness.errors import UserError
+from harness.errors import DistError, Stopped, UserError
 
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def fail(message: str, code: int = EXIT_BAD_INPUT):
-    click.echo(f"error: {message}", err=True)
+def fail(message: str, code: int = EXIT_BAD_INPUT, quiet: bool = False):
+    if not quiet:
+        click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
 
@@ -54,7 +55,13 @@ def main():
               help="Score scale: S_max * (1 - exp(-(m - 1) / kappa)) * f_mem.")
 @click.option("--mem-allowance", type=click.FloatRange(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory allowed before the score is cut: f_mem = min(1, allowance / ratio).")
-def replay_cmd(stream, model_spec, out_path, device, allow_device_mismatch, s_max, kappa, mem_allowance):
+@click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True), default=1800, show_default=True,
+              metavar="SECONDS",
+              help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
+                   "finish) for this long is taken as hung; the audit then fails (exit 2) naming the rank "
+                   "and its prompt, and writes nothing. Also the process group's timeout.")
+def replay_cmd(stream, model_spec, out_path, device, allow_device_mismatch, s_max, kappa, mem_allowance,
+               dist_timeout):
     """Replay STREAM (a harness stream.jsonl) and audit it.
 
     Every leg's tokens must be exactly what serial greedy decoding emits (teacher-forced replay,
@@ -62,13 +69,24 @@ def replay_cmd(stream, model_spec, out_path, device, allow_device_mismatch, s_ma
     each other; ratios are recomputed from the raw legs and compared with the harness's; leg
     times, ABBA order, the end record's count and sha256 are checked; a candidate much faster
     on later legs than on its first is flagged. Writes audit.json and prints a table.
+
+    Several GPUs: `torchrun --nproc-per-node G -m audit replay STREAM` replays prompt i on rank
+    i % G (cuda:LOCAL_RANK) and rank 0 writes the one audit.json, the same document as one
+    process would write apart from the replay's timing and its world_size/ranks. A rank that
+    fails or hangs fails the audit (exit 2) naming the rank and prompt; nothing is written.
     """
+    from harness.dist import quiet_rank, rank_prefix
+
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
     try:
         code = audit_stream(Path(stream), model_spec, Path(out_path) if out_path else None, device,
-                            allow_device_mismatch, params)
+                            allow_device_mismatch, params, dist_timeout)
     except (BadInput, UserError) as exc:
-        fail(str(exc))
+        fail(str(exc), quiet=quiet_rank())  # every rank meets it alike: rank 0 says it
+    except DistError as exc:
+        fail(rank_prefix() + str(exc))
+    except Stopped:
+        fail(rank_prefix() + "stopped by the launcher (SIGTERM); nothing was written")
     except KeyboardInterrupt:
         fail("interrupted; nothing was written", 130)
     sys.exit(code)
@@ -101,29 +119,18 @@ def check_prompt_ids(run, vocab_size: int) -> None:
             raise BadInput(f"prompt {p.id!r}: token id {bad[0]} outside the model's vocabulary (0..{vocab_size - 1})")
 
 
-def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
-                 allow_device_mismatch: bool, params: dict) -> int:
-    """The whole audit; returns the exit code. Writes audit.json once, at the end."""
-    from harness import determinism
-
-    determinism.pin()  # before anything can touch CUDA, as the harness does
+def replay_device_json(dev: str) -> dict:
     import torch
-    import transformers
 
-    transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
-    from harness.models import device_name, load_model
-    from harness.schema import write_json_atomic
+    from harness.models import device_name
 
-    from audit import checks
-    from audit.replay import replay_run
-    from audit.report import build_document, divergence_findings, render_table
-    from audit.stream import load_run
+    d = torch.device(dev)
+    return {"type": d.type, "name": device_name(d)}
 
-    run = load_run(path)
-    out_path = out_path or path.parent / "audit.json"
-    dev = choose_device(device, run.header["device"])
-    replay_device = device_name(torch.device(dev))
-    findings = checks.check_device(run.header["device"], torch.device(dev).type, replay_device, allow_device_mismatch)
+
+def load_replay_model(run, model_spec: str | None, dev: str):
+    """The model to replay with, checked against the prompts' token ids."""
+    from harness.models import load_model
 
     spec = model_spec or model_spec_from_header(run.header)
     try:
@@ -131,25 +138,43 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     except UserError as exc:
         raise UserError(f"cannot load model {spec!r} to replay with: {exc}") from None
     check_prompt_ids(run, model.vocab_size)
+    return model
 
-    findings += checks.check_header(run.header, {"torch": torch.__version__, "transformers": transformers.__version__})
+
+def file_findings(run, model_identity: dict) -> tuple[list[dict], list[dict]]:
+    """Every finding that needs no replay: (all of them, the model-identity ones alone)."""
+    import torch
+    import transformers
+
+    from harness import determinism
+
+    from audit import checks
+
+    findings = checks.check_header(run.header, {"torch": torch.__version__, "transformers": transformers.__version__})
     findings += checks.check_determinism(run.header.get("determinism"), determinism.differences)
-    model_findings = checks.check_model_identity(run.header["model"], model.identity)
+    model_findings = checks.check_model_identity(run.header["model"], model_identity)
     findings += model_findings
     findings += checks.check_instrument(run.header)
     findings += checks.run_checks(run)
+    return findings, model_findings
 
-    replayed, tokens, seconds = None, 0, 0.0
-    if not model_findings:  # replaying with another model would only report noise
-        log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
-            f"on {replay_device} ...")
-        replayed, tokens, seconds = replay_run(model, run, log)
-        findings += divergence_findings(run, replayed)
-    replay_info = {"path": "pristine-serial", "device": replay_device, "tokens_replayed": tokens,
-                   "seconds": seconds, "ms_per_token": 1000 * seconds / tokens if tokens else None}
 
-    doc = build_document(run, hashlib.sha256(path.read_bytes()).hexdigest(), findings, replayed, replay_info,
-                         model.identity, params)
+def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
+    """audit.json ``replay``: how the tokens were replayed, and where (one entry per rank)."""
+    return {"path": "pristine-serial", "device": devices[0]["name"], "tokens_replayed": tokens,
+            "seconds": seconds, "ms_per_token": 1000 * seconds / tokens if tokens else None,
+            "world_size": len(devices), "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)]}
+
+
+def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, model_identity: dict,
+           params: dict) -> int:
+    """Build, write and print audit.json; the exit code from its verdict."""
+    from harness.schema import write_json_atomic
+
+    from audit.report import build_document, render_table
+
+    doc = build_document(run, hashlib.sha256(path.read_bytes()).hexdigest(), findings, replayed, info,
+                         model_identity, params)
     try:
         write_json_atomic(out_path, doc)
     except OSError as exc:
@@ -157,6 +182,47 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     click.echo(render_table(doc))
     click.echo(f"wrote {out_path}")
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
+
+
+def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
+                 allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
+    """The whole audit; returns the exit code. Writes audit.json once, at the end."""
+    from harness import determinism
+
+    determinism.pin()  # before anything can touch CUDA, as the harness does
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
+    from harness import dist
+
+    from audit import checks
+    from audit.replay import replay_run
+    from audit.report import divergence_findings
+    from audit.stream import load_run
+
+    run = load_run(path)
+    out_path = out_path or path.parent / "audit.json"
+    topo = dist.topology()
+    if topo.active:
+        from audit.sharded import audit_sharded
+
+        return audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
+                             dist_timeout or dist.DEFAULT_TIMEOUT_S)
+    dev = choose_device(device, run.header["device"])
+    replay_dev = replay_device_json(dev)
+    findings = checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
+    model = load_replay_model(run, model_spec, dev)
+    more, model_findings = file_findings(run, model.identity)
+    findings += more
+
+    replayed, tokens, seconds = None, 0, 0.0
+    if not model_findings:  # replaying with another model would only report noise
+        log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
+            f"on {replay_dev['name']} ...")
+        replayed, tokens, seconds = replay_run(model, run, log)
+        findings += divergence_findings(run, replayed)
+    return finish(run, path, out_path, findings, replayed, replay_info([replay_dev], tokens, seconds),
+                  model.identity, params)
 
 
 if __name__ == "__main__":

@@ -129,33 +129,49 @@ class PromptReplay:
     greedy: list[int]
 
 
-def replay_run(model, run, log=None) -> tuple[dict[str, PromptReplay], int, float]:
-    """Replay every prompt of a run. Returns ({prompt_id: PromptReplay}, tokens replayed, seconds)."""
+def leg_streams(p) -> dict[str, tuple]:
+    """Every leg's stream by label; a duplicated leg (itself a tamper finding) is still replayed."""
+    labelled = {}
+    for r in p.legs:
+        label = f"{r['role']}#{r['leg']}"
+        while label in labelled:
+            label += "'"
+        labelled[label] = tuple(r["tokens"])
+    return labelled
+
+
+def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None) -> PromptReplay:
+    """One prompt's walk along the greedy path, settling every leg of it."""
+    labelled = leg_streams(p)
+
+    def progress(i, pid=p.id):
+        if log and i % 64 == 0:
+            log(f"  {pid}: position {i}/{max_new_tokens}")
+
+    results, greedy = replay_prompt(stepper, p.token_ids, list(labelled.values()), max_new_tokens, eos, progress)
+    divs = {label: results[s] for label, s in labelled.items() if results[s] is not None}
+    return PromptReplay(divs, len(greedy), greedy)
+
+
+def replay_run(model, run, log=None, prompts=None) -> tuple[dict[str, PromptReplay], int, float]:
+    """Replay every prompt of a run (or ``prompts``, a rank's share of them). Returns
+    ({prompt_id: PromptReplay}, tokens replayed, seconds)."""
     stepper = PristineSerial(model)
     eos = set(model.eos_token_ids)
+    prompts = run.prompts if prompts is None else prompts
     out, total, t0 = {}, 0, time.perf_counter()
-    for n, p in enumerate(run.prompts, start=1):
-        labelled = {}
-        for r in p.legs:  # a duplicated leg (itself a tamper finding) is still replayed
-            label = f"{r['role']}#{r['leg']}"
-            while label in labelled:
-                label += "'"
-            labelled[label] = tuple(r["tokens"])
+    for n, p in enumerate(prompts, start=1):
         t_prompt = time.perf_counter()
-
-        def progress(i, pid=p.id):
-            if log and i % 64 == 0:
-                log(f"  {pid}: position {i}/{run.max_new_tokens}")
-
-        results, greedy = replay_prompt(stepper, p.token_ids, list(labelled.values()), run.max_new_tokens,
-                                        eos, progress)
-        divs = {label: results[s] for label, s in labelled.items() if results[s] is not None}
-        out[p.id] = PromptReplay(divs, len(greedy), greedy)
-        total += len(greedy)
+        rep = out[p.id] = replay_one(stepper, p, run.max_new_tokens, eos, log)
+        total += rep.positions
         if log:
-            dt = time.perf_counter() - t_prompt
-            per = 1000 * dt / len(greedy) if greedy else 0.0
-            log(f"replay [{n}/{len(run.prompts)}] {p.id}: {len(greedy)} positions, {per:.1f} ms/token, "
-                f"{len(set(labelled.values()))} distinct stream(s), "
-                f"{'exact' if not divs else f'{len(divs)} leg(s) diverge'}")
+            log_prompt(log, n, len(prompts), p, rep, time.perf_counter() - t_prompt)
     return out, total, time.perf_counter() - t0
+
+
+def log_prompt(log, n: int, count: int, p, rep: PromptReplay, seconds: float) -> None:
+    per = 1000 * seconds / rep.positions if rep.positions else 0.0
+    divs = rep.divergences
+    log(f"replay [{n}/{count}] {p.id}: {rep.positions} positions, {per:.1f} ms/token, "
+        f"{len(set(leg_streams(p).values()))} distinct stream(s), "
+        f"{'exact' if not divs else f'{len(divs)} leg(s) diverge'}")

@@ -45,7 +45,6 @@ def first_divergence(p, rep: PromptReplay | None) -> dict | None:
 
 def prompt_entry(run, p, medians: dict, rep: PromptReplay | None) -> dict:
     cand = p.role_legs("candidate")
-    resident = checks.resident_bytes(run.header)
     warm, _ = checks.warm_leg_flag(p, run.legs)
     return {
         "id": p.id,
@@ -56,8 +55,8 @@ def prompt_entry(run, p, medians: dict, rep: PromptReplay | None) -> dict:
         "harness_ratio": p.summaries[0]["ratio"] if p.summaries else None,
         "control_median_s": medians["control_median_s"],
         "candidate_median_s": medians["candidate_median_s"],
-        "control_peak_bytes": checks.own_peak_bytes(p.role_legs("control"), "control", resident),
-        "candidate_peak_bytes": checks.own_peak_bytes(cand, "candidate", resident),
+        "control_peak_bytes": checks.own_peak_bytes(p.role_legs("control"), "control", run.header),
+        "candidate_peak_bytes": checks.own_peak_bytes(cand, "candidate", run.header),
         "first_divergence": first_divergence(p, rep),
         "warm_leg_flag": warm,
     }
@@ -69,8 +68,8 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
     per_prompt, median = checks.recompute_ratios(run.prompts)
     legs = [r for p in run.prompts for r in p.legs]
     resident = checks.resident_bytes(run.header)
-    ctl_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "control"], "control", resident)
-    cand_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "candidate"], "candidate", resident)
+    ctl_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "control"], "control", run.header)
+    cand_peak = checks.own_peak_bytes([r for r in legs if r["role"] == "candidate"], "candidate", run.header)
     f_mem, mem_ratio = checks.memory_factor(ctl_peak, cand_peak, params["mem_allowance"])
     failed = any(f["severity"] == "fail" for f in findings)
     instrument = run.header["candidate"].get("instrument") is True

@@ -26,6 +26,7 @@ class PromptRun:
     id: str
     line: int  # 1-based line of the prompt record
     token_ids: list[int]
+    rank: object = None  # the prompt record's "rank" as written (runs under torchrun); None if absent
     legs: list[dict] = field(default_factory=list)
     summaries: list[dict] = field(default_factory=list)
     # records that belong to this prompt but appear after another prompt's record
@@ -51,6 +52,11 @@ class Run:
     def legs(self) -> int:
         return self.header["legs"]
 
+    @property
+    def world_size(self) -> int:
+        """Processes that recorded the run: 1 for one process and for files older than the key."""
+        return self.header.get("world_size", 1)
+
 
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -69,6 +75,29 @@ def validate_header(header: dict) -> None:
     for side in ("control", "candidate"):
         if not isinstance(header.get(side), dict) or not isinstance(header[side].get("name"), str):
             raise BadInput(f"header {side} must be an object with a string 'name'")
+    validate_ranks(header)
+
+
+def is_device(dev) -> bool:
+    return isinstance(dev, dict) and isinstance(dev.get("name"), str) and isinstance(dev.get("type"), str)
+
+
+def validate_ranks(header: dict) -> None:
+    """``world_size`` and ``ranks`` (absent in older files: one process). A run under torchrun
+    lists every rank, in order, with the device it timed its prompts on."""
+    if "world_size" not in header and "ranks" not in header:
+        return
+    world = header.get("world_size")
+    if not is_int(world) or world < 1:
+        raise BadInput(f"header world_size must be a positive integer, not {world!r}")
+    ranks = header.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != world:
+        raise BadInput(f"header ranks must list the {world} rank(s) of world_size")
+    for i, entry in enumerate(ranks):
+        if not isinstance(entry, dict) or not is_int(entry.get("rank")) or entry["rank"] != i \
+                or not is_device(entry.get("device")):
+            raise BadInput(f"header ranks[{i}] must be an object with rank {i} and a device with string "
+                           "'type' and 'name'")
 
 
 def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None]:
@@ -82,7 +111,7 @@ def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None]:
             if rec["id"] in prompts:
                 raise BadInput(f"line {lineno}: duplicate prompt id {rec['id']!r} "
                                f"(first at line {prompts[rec['id']].line})")
-            current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]))
+            current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]), rec.get("rank"))
         elif kind in ("leg", "summary"):
             pid = rec["prompt_id"]
             if pid not in prompts:

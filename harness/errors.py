@@ -3,3 +3,14 @@
 
 class UserError(Exception):
     """Bad input (a path, a flag, a file): shown as one line, never as a traceback."""
+
+
+class DistError(Exception):
+    """Under torchrun: a rank failed, hung or was stopped, so the whole run fails. Shown as one
+    line naming the rank (and its prompt where there is one), exit 1; nothing is written."""
+
+
+class Stopped(BaseException):
+    """This rank was sent SIGTERM: torchrun stops every rank once one has exited with an error.
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` (a decoder's, or the
+    per-prompt guard's) can swallow it and leave this rank waiting for one that is gone."""

@@ -4,18 +4,24 @@ One JSON object per line, each with a ``type``:
 
   header   once, first: schema, command line, model identity, dtype, device, library versions,
            determinism settings, control and candidate decoder (name + config), prompt set
-           (source + sha256), max_new_tokens, legs, warmup_tokens, seed.
-  prompt   per prompt: id, token_ids (what every leg decoded from), text when known.
+           (source + sha256), max_new_tokens, legs, warmup_tokens, seed; world_size and ranks
+           (one {rank, device} per process; under torchrun also each rank's resident_bytes and
+           candidate_config, since every rank prepared its own decoders). Files written before
+           these two keys existed are one-process runs.
+  prompt   per prompt: id, token_ids (what every leg decoded from), text when known; under
+           torchrun (world_size > 1) also rank, the process that timed it: prompt i -> i % world_size.
   leg      per timed decode: prompt_id, role ("control" | "candidate"), leg (0..L-1 within the
            role), order (0..2L-1 within the prompt: ABBA), t_start / t_end (monotonic seconds
-           since the run began), wall_s, tokens (every emitted id), peak_mem_bytes (null where
-           not measured), stats (the decoder's own counters).
+           since its process began timing: one clock per rank), wall_s, tokens (every emitted
+           id), peak_mem_bytes (null where not measured), stats (the decoder's own counters);
+           under torchrun also rank.
   summary  per prompt, after its legs: the harness's own medians and ratio.
   end      once, last: number of records before it and the sha256 of their bytes, so a
            truncated or hand-edited file is detectable; and the harness's median ratio.
 
 Files are written atomically (a temporary file renamed into place at the end), so an
-interrupted run leaves no ``stream.jsonl`` at all rather than one that looks complete.
+interrupted run leaves no ``stream.jsonl`` at all rather than one that looks complete. Under
+torchrun, rank 0 writes the merged file in one go once every rank has reported.
 """
 from __future__ import annotations
 
