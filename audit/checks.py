@@ -152,6 +152,18 @@ def check_model_identity(recorded: dict, replayed: dict) -> list[dict]:
                     mismatched=bad)]
 
 
+def check_reference(header: dict) -> list[dict]:
+    """A run timed against another reference than serial (``harness time --control``): its
+    exactness is still replayed against serial greedy decoding, but its ratio is not one against
+    the control, so it is never scored."""
+    name = header["control"].get("name")
+    if name != "serial":
+        return [finding("reference", "warn", None,
+                        f"the reference decoder is {name!r}, not the serial control: ratios are against "
+                        f"{name!r}; audited for exactness, never scored")]
+    return []
+
+
 def check_instrument(header: dict) -> list[dict]:
     if header["candidate"].get("instrument") is True:
         return [finding("instrument", "warn", None,

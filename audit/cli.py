@@ -155,6 +155,7 @@ def file_findings(run, model_identity: dict) -> tuple[list[dict], list[dict]]:
     model_findings = checks.check_model_identity(run.header["model"], model_identity)
     findings += model_findings
     findings += checks.check_instrument(run.header)
+    findings += checks.check_reference(run.header)
     findings += checks.run_checks(run)
     return findings, model_findings
 

@@ -82,7 +82,8 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
         "verdict": "fail" if failed else "pass",
         "exact": exact,
         "consistent": consistent,
-        "score": checks.score(median, f_mem, params["s_max"], params["kappa"], failed or instrument),
+        "score": checks.score(median, f_mem, params["s_max"], params["kappa"],
+                              failed or instrument or run.header["control"].get("name") != "serial"),
         "score_params": dict(params),
         "median_ratio": median,
         "f_mem": f_mem,
@@ -94,6 +95,7 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
         "model": model_identity,
         "header_model": run.header["model"],
         "candidate": run.header["candidate"]["name"],
+        "reference": run.header["control"].get("name"),
         "instrument": instrument,
         "prompts": [prompt_entry(run, p, per_prompt[p.id], replayed[p.id] if replayed else None)
                     for p in run.prompts],

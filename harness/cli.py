@@ -90,6 +90,11 @@ def list_cmd():
                    "Default: spec.")
 @click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
               help="Constructor argument for the candidate decoder (repeatable), e.g. max_depth=4.")
+@click.option("--control", "control_spec", default=None, metavar="NAME",
+              help="Reference decoder timed against the candidate. Default: serial, the control that "
+                   "defines exactness. Another reference (e.g. fast-serial) measures the candidate against "
+                   "it side by side; the audit still replays every token against serial greedy decoding, "
+                   "but does not score such a run.")
 @click.option("--model", "model_spec", default="tiny", show_default=True, metavar="MODEL",
               help="Built-in model name (tiny, synthetic-9b) or a Qwen3.5 checkpoint directory.")
 @click.option("--prompts", "prompts_spec", default=None, metavar="PROMPTS",
@@ -115,7 +120,7 @@ def list_cmd():
               help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
                    "finish) for this long is taken as hung; the run then fails with a message naming the "
                    "rank and its prompt, and writes nothing. Also the process group's timeout.")
-def time_cmd(decoder_spec, decoder_args, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
+def time_cmd(decoder_spec, decoder_args, control_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
              out_dir, force, seed, report, dist_timeout):
     """Time DECODER against the serial control on every prompt, side by side in one process.
 
@@ -129,7 +134,8 @@ def time_cmd(decoder_spec, decoder_args, model_spec, prompts_spec, max_new_token
     or hangs, the run fails naming the rank and prompt, and no stream.jsonl is written.
     """
     stream_path = run_cli(lambda: run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit,
-                                           warmup_tokens, device, out_dir, force, seed, decoder_args, dist_timeout))
+                                           warmup_tokens, device, out_dir, force, seed, decoder_args, dist_timeout,
+                                           control_spec))
     if report and stream_path is not None:  # under torchrun, only rank 0 wrote a stream
         render_report(stream_path.parent)
 
@@ -147,7 +153,7 @@ def render_report(run_dir: Path) -> None:
 
 
 def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
-             out_dir, force, seed, decoder_args=(), dist_timeout=None):
+             out_dir, force, seed, decoder_args=(), dist_timeout=None, control_spec=None):
     from harness import determinism  # pins before anything touches CUDA
 
     settings = determinism.pin()
@@ -159,8 +165,9 @@ def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit
     if topo.active:
         return run_time_sharded(topo, settings, stream_path, decoder_spec, model_spec, prompts_spec,
                                 max_new_tokens, legs, limit, warmup_tokens, device, seed, decoder_args,
-                                dist_timeout or dist.DEFAULT_TIMEOUT_S)
-    setup = prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, prompts_spec, limit, seed)
+                                dist_timeout or dist.DEFAULT_TIMEOUT_S, control_spec)
+    setup = prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, prompts_spec, limit, seed,
+                        control_spec=control_spec)
     header = build_header(setup, settings, legs, warmup_tokens, seed, [rank_info(setup, 0, 1)])
     return time_in_one_process(setup, header, stream_path, legs, warmup_tokens)
 
@@ -195,7 +202,7 @@ class Setup:
 
 
 def prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, prompts_spec, limit, seed,
-                log=None) -> Setup:
+                log=None, control_spec=None) -> Setup:
     """Load the model and the prompts and prepare both decoders (the same on every rank)."""
     import torch
 
@@ -205,7 +212,7 @@ def prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, 
 
     log = log or (lambda message: click.echo(message, err=True))
     decoder_spec = decoder_spec or DEFAULT_DECODER
-    control = get_decoder(CONTROL)
+    control = get_decoder(control_spec or CONTROL)
     kwargs = parse_decoder_args(decoder_args)
     candidate = get_decoder(decoder_spec, **kwargs)
     log(f"loading model {model_spec} ...")
@@ -331,7 +338,7 @@ def time_in_one_process(setup: Setup, header: dict, stream_path: Path, legs: int
 
 
 def run_time_sharded(topo, settings, stream_path, decoder_spec, model_spec, prompts_spec, max_new_tokens, legs,
-                     limit, warmup_tokens, device, seed, decoder_args, dist_timeout):
+                     limit, warmup_tokens, device, seed, decoder_args, dist_timeout, control_spec=None):
     """One rank of a torchrun job: time every world_size-th prompt on this rank's own device
     (both legs of each prompt in this process), then rank 0 writes the merged stream."""
     from harness import dist
@@ -390,7 +397,8 @@ def time_sharded(session, settings, stream_path, decoder_spec, model_spec, promp
     topo, log = session.topo, rank_log(session.topo)
     session.at("loading the model and preparing both decoders")
     setup, error = dist.guarded(topo, lambda: prepare_run(decoder_spec, decoder_args, model_spec, device,
-                                                          max_new_tokens, prompts_spec, limit, seed, log))
+                                                          max_new_tokens, prompts_spec, limit, seed, log,
+                                                          control_spec))
     mine = {"error": error, "info": rank_info(setup, topo.rank, topo.world_size) if setup else None,
             "prompts_sha256": prompts_digest(setup.prompts) if setup else None}
     ready = session.all_gather("setup", mine)
