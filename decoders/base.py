@@ -71,6 +71,9 @@ class Decoder(Protocol):
     def config(self) -> dict:
         """Settings that define this decoder's behaviour, recorded in the run header."""
 
+    # Optional, for benchmark instruments only (``instrument = True``, never scored by the audit):
+    # ``prepare_prompt(prompt_ids, max_new_tokens)`` is called untimed before a prompt's legs.
+
 
 def stop_index(tokens: list[int], eos: tuple[int, ...] | set[int], limit: int) -> int:
     """Length of the emitted stream: up to and including the first EOS, at most ``limit``."""
