@@ -12,7 +12,6 @@ vocabulary: a shortlist can only change which drafts are proposed, never which t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path

@@ -347,7 +347,7 @@ def run_time_sharded(topo, settings, stream_path, decoder_spec, model_spec, prom
     session = dist.start(topo, dist_timeout)
     try:
         return time_sharded(session, settings, stream_path, decoder_spec, model_spec, prompts_spec,
-                            max_new_tokens, legs, limit, warmup_tokens, device, seed, decoder_args)
+                            max_new_tokens, legs, limit, warmup_tokens, device, seed, decoder_args, control_spec)
     except dist.Stopped:
         raise dist.DistError(dist.stop_report(session, "results") + "; nothing was written") from None
     except dist.DistError as exc:
@@ -390,7 +390,7 @@ def prompts_digest(prompts) -> str:
 
 
 def time_sharded(session, settings, stream_path, decoder_spec, model_spec, prompts_spec, max_new_tokens, legs,
-                 limit, warmup_tokens, device, seed, decoder_args):
+                 limit, warmup_tokens, device, seed, decoder_args, control_spec=None):
     from harness import dist
     from harness.timing import Clock
 

@@ -1,0 +1,405 @@
+"""Train (distil) a backbone's MTP draft head on the backbone's own greedy generations.
+
+Pipeline (``heads train``, heads/cli.py):
+
+ 1. generate: greedy continuations of every prompt with ``FastSerialDecoder`` (the exact serial
+    stream spec verifies against); tokens and seconds are reported;
+ 2. split: prompts are ordered by sha256 of their id and cut into held-out (~20 %), dev (~10 %,
+    at least 1 each) and train (the rest); the three never overlap. Train is trained on; dev
+    loss (the head's CE on dev streams, never training loss) drives early stopping; held-out
+    mean accepted length selects the checkpoint and gives the before/after report. Because the
+    same held-out prompts select and report, the "after" figure carries a (small) selection bias;
+    dev is kept out of it so that stopping is independent of the reported number;
+ 3. data: one no-grad backbone forward per prompt+stream gives the post-norm hidden states h_t;
+    head row t = (h_t, token t+1) at RoPE position t, causal over rows 0..t (``MTPHead.forward``
+    with its causal mask), CE of the frozen shared ``lm_head`` on it against token t+2, over the
+    continuation rows only (prompt rows are context, as in the head's cache at inference);
+ 4. training: an fp32 copy of the head (AdamW, grad clip 1); the embedding and ``lm_head`` are
+    used through detached fp32 copies, so the backbone's tensors are never touched by autograd or
+    the optimiser (the backbone is never written);
+ 5. evaluation: the head cast back to the model's dtype, chained drafts at fixed depth d against
+    the greedy stream, ``fixtures.train_small.acceptance_runs`` (what spec's head cache sees);
+    mean accepted length = tokens per verification round = 1 + accepted drafts per round;
+ 6. save: ``mtp.safetensors`` (``mtp.*``), ``draft_shortlist.json`` (``decoders.shortlist.build``
+    over the train+dev generations, not re-generated), ``report.json``. A head that is not better
+    than the starting one on held-out mean accepted length is not saved unless ``force_save``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+HEAD_FILE = "mtp.safetensors"
+REPORT_FILE = "report.json"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.1) -> dict:
+    """{'train', 'dev', 'heldout'}: disjoint lists of prompts, by sha256 of the prompt id (stable
+    across runs and orders of the file). Needs at least 3 prompts."""
+    from harness.errors import UserError
+
+    n = len(prompts)
+    if n < 3:
+        raise UserError(f"need at least 3 prompts (train, dev and held-out splits), got {n}")
+    order = sorted(prompts, key=lambda p: hashlib.sha256(p.id.encode()).hexdigest())
+    n_held = max(1, round(heldout_frac * n))
+    n_dev = max(1, round(dev_frac * n))
+    n_held = min(n_held, n - 2)
+    n_dev = min(n_dev, n - n_held - 1)
+    return {"heldout": order[:n_held], "dev": order[n_held:n_held + n_dev], "train": order[n_held + n_dev:]}
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def generate(model, prompts: list, max_new_tokens: int) -> tuple[list[list[int]], dict]:
+    """Greedy continuations with FastSerialDecoder, and their cost."""
+    from decoders.fast_serial import FastSerialDecoder
+
+    dec = FastSerialDecoder()
+    dec.prepare(model)
+    streams, tokens = [], 0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        streams.append(list(dec.decode(p.token_ids, max_new_tokens).tokens))
+        tokens += len(streams[-1])
+        log(f"generated {i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+    seconds = time.perf_counter() - t0
+    return streams, {"prompts": len(prompts), "tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds if seconds > 0 else None,
+                     "max_new_tokens": max_new_tokens, "decoder": FastSerialDecoder.name}
+
+
+class _Replay:
+    """Stands in for FastSerialDecoder inside ``decoders.shortlist.build``: returns the streams
+    already generated (same prompts, same order), so the shortlist's logic is reused as is
+    without generating twice."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self):
+        return self
+
+    def prepare(self, model):
+        pass
+
+    def decode(self, prompt_ids, max_new_tokens):
+        return SimpleNamespace(tokens=self.table[tuple(prompt_ids)])
+
+
+def build_shortlist(model, prompts: list, streams: list, max_new_tokens: int, size: int) -> dict:
+    import decoders.fast_serial as fs
+    from decoders import shortlist
+
+    table = {tuple(p.token_ids): s for p, s in zip(prompts, streams)}
+    real = fs.FastSerialDecoder
+    fs.FastSerialDecoder = _Replay(table)
+    try:
+        return shortlist.build(model, prompts, max_new_tokens, min(size, model.vocab_size))
+    finally:
+        fs.FastSerialDecoder = real
+
+
+# --------------------------------------------------------------------------- data and loss
+
+
+@torch.no_grad()
+def hidden_states(model, prompts: list, streams: list) -> list[dict]:
+    """One example per prompt: ids [1,L], the backbone's post-norm hidden [1,L,H] in fp32 and the
+    prompt length. The backbone runs without grad and is only read."""
+    lm, dev = model.backbone, model.device
+    out = []
+    for p, s in zip(prompts, streams):
+        ids = torch.tensor([p.token_ids + s], device=dev)
+        if ids.shape[1] < 3:
+            continue
+        h = lm.model(input_ids=ids, use_cache=False).last_hidden_state.float()
+        out.append({"ids": ids, "hidden": h, "P": len(p.token_ids)})
+    return out
+
+
+class FrozenShared:
+    """fp32 copies of the backbone's embedding and lm_head (detached: the backbone is never part of
+    the autograd graph) and a stand-in ``backbone`` for ``MTPHead.forward``."""
+
+    def __init__(self, model):
+        inner = model.backbone.model
+        self.embed_w = inner.embed_tokens.weight.detach().float()
+        self.lm_w = model.backbone.lm_head.weight.detach().float()
+        embed = lambda ids: F.embedding(ids, self.embed_w)  # noqa: E731
+        self.backbone = SimpleNamespace(model=SimpleNamespace(embed_tokens=embed, rotary_emb=inner.rotary_emb))
+
+    def logits(self, out):
+        return F.linear(out, self.lm_w)
+
+
+def example_loss(head, shared: FrozenShared, ex: dict) -> tuple[torch.Tensor, int]:
+    """Sum of CE over the continuation rows (row t predicts token t+2, t >= P-1) and their count."""
+    ids, h, P = ex["ids"], ex["hidden"], ex["P"]
+    T = ids.shape[1]
+    out = head(h[:, : T - 2], ids[:, 1: T - 1], torch.arange(T - 2, device=ids.device), shared.backbone)
+    first = max(P - 1, 0)
+    logits = shared.logits(out[:, first:])
+    target = ids[:, first + 2:]
+    n = target.numel()
+    if n == 0:
+        return logits.sum() * 0.0, 0
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum"), n
+
+
+@torch.no_grad()
+def mean_loss(head, shared, examples: list[dict]) -> float | None:
+    tot, n = 0.0, 0
+    for ex in examples:
+        loss, k = example_loss(head, shared, ex)
+        tot += float(loss)
+        n += k
+    return tot / n if n else None
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(model, head, prompts: list, streams: list, depth: int) -> dict:
+    """Acceptance per depth and mean accepted length at fixed depth ``depth`` on these prompts:
+    chained drafts of ``head`` (in the model's dtype) against the greedy streams."""
+    from fixtures.train_small import acceptance_runs, summarize_acceptance
+
+    shim = SimpleNamespace(backbone=model.backbone, mtp=head, device=model.device)
+    rows, lens = [], []
+    for p, s in zip(prompts, streams):
+        if len(s) < 2:
+            continue  # no token t+2 after the prompt's last row
+        A, L = acceptance_runs(shim, [p.token_ids], [s], depth)
+        rows.append(A[0])
+        # summarize with a common P = 1: token t+k+1 exists iff j + k < len(stream)
+        lens.append(int(L[0]) - len(p.token_ids) + 1)
+    if not rows:
+        return {"positions": 0, "per_depth": [], "mean_accepted_length": None, "depth": depth}
+    width = max(r.numel() for r in rows)
+    A = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        A[i, : r.numel()] = r
+    s = summarize_acceptance(A, torch.tensor(lens), 1, depth)
+    s["mean_accepted_length"] = s["tokens_per_round_at_fixed_depth"][str(depth)]
+    s["depth"] = depth
+    return s
+
+
+def _mal(ev: dict) -> float:
+    v = ev.get("mean_accepted_length")
+    return -math.inf if v is None else v
+
+
+# --------------------------------------------------------------------------- training
+
+
+@contextlib.contextmanager
+def _training_determinism(device):
+    """Backward ops may lack deterministic CUDA kernels: warn-only while training (as
+    fixtures/train_small.py does), the pinned configuration again afterwards."""
+    prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if prev[0] and torch.device(device).type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+
+
+def head_state(head, dtype) -> dict:
+    return {k: v.detach().to(dtype).clone() for k, v in head.state_dict().items()}
+
+
+def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200, lr: float = 3e-4,
+               eval_every: int = 50, depth: int = 4, batch: int = 4, patience: int = 3, seed: int = 0,
+               shortlist_size: int = 32768) -> dict:
+    """The whole pipeline short of saving. Returns a dict with 'report' (JSON-able), 'state' (the
+    selected head's state dict in the model's dtype, or None if no trained checkpoint was
+    evaluated), 'improved' and 'shortlist'."""
+    from harness.errors import UserError
+
+    if model.mtp is None:
+        raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
+    if not prompts:
+        raise UserError("the prompt set is empty")
+    if steps < 1 or eval_every < 1 or depth < 1 or batch < 1 or max_new_tokens < 2:
+        raise UserError("--steps, --eval-every, --depth and --batch must be >= 1, and -n >= 2")
+    dtype = model.backbone.lm_head.weight.dtype
+    splits = split_prompts(prompts)
+    log("splits: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+
+    streams, gen_cost = generate(model, prompts, max_new_tokens)
+    by_id = {p.id: s for p, s in zip(prompts, streams)}
+    S = {k: [by_id[p.id] for p in v] for k, v in splits.items()}
+
+    log("building the draft shortlist (train + dev generations)")
+    sl_prompts = splits["train"] + splits["dev"]
+    shortlist = build_shortlist(model, sl_prompts, S["train"] + S["dev"], max_new_tokens, shortlist_size)
+
+    log("backbone hidden states (no grad)")
+    t0 = time.perf_counter()
+    data = {k: hidden_states(model, splits[k], S[k]) for k in ("train", "dev")}
+    hidden_s = time.perf_counter() - t0
+    if not data["train"]:
+        raise UserError("no training rows: every train generation is shorter than 2 tokens")
+
+    shared = FrozenShared(model)
+    head = copy.deepcopy(model.mtp).float().train()
+    eval_head = copy.deepcopy(model.mtp).eval()
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+
+    def held(step: int) -> dict:
+        eval_head.load_state_dict(head_state(head, dtype))
+        ev = evaluate(model, eval_head, splits["heldout"], S["heldout"], depth)
+        head.eval()
+        dl = mean_loss(head, shared, data["dev"])
+        head.train()
+        return {"step": step, "dev_loss": dl, "heldout": ev}
+
+    before = held(0)
+    log(f"step 0: held-out mean accepted length {before['heldout']['mean_accepted_length']}, "
+        f"dev loss {before['dev_loss']}")
+    history = [before]
+    best, best_state = None, None
+    best_dev, bad_evals, stopped_early = before["dev_loss"], 0, False
+    train_losses = []
+    t0 = time.perf_counter()
+    step = 0
+    with _training_determinism(model.device):
+        for step in range(1, steps + 1):
+            idx = torch.randint(len(data["train"]), (batch,), generator=gen).tolist()
+            opt.zero_grad(set_to_none=True)
+            tot = 0.0
+            losses = [example_loss(head, shared, data["train"][i]) for i in idx]
+            n = sum(k for _, k in losses)
+            if n:
+                loss = sum(l for l, _ in losses) / n
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                opt.step()
+                tot = loss.item()
+            train_losses.append(tot)
+            if step % eval_every == 0 or step == steps:
+                rec = held(step)
+                rec["train_loss"] = sum(train_losses[-eval_every:]) / len(train_losses[-eval_every:])
+                history.append(rec)
+                mal = rec["heldout"]["mean_accepted_length"]
+                log(f"step {step}: train loss {rec['train_loss']:.4f}, dev loss {rec['dev_loss']}, "
+                    f"held-out mean accepted length {mal}")
+                if best is None or _mal(rec["heldout"]) > _mal(best["heldout"]):
+                    best, best_state = rec, head_state(head, dtype)
+                if rec["dev_loss"] is None:
+                    pass  # no dev rows (every dev stream ended at once): no early stopping
+                elif best_dev is None or rec["dev_loss"] < best_dev:
+                    best_dev, bad_evals = rec["dev_loss"], 0
+                else:
+                    bad_evals += 1
+                    if bad_evals >= patience:
+                        stopped_early = True
+                        log(f"early stop at step {step}: dev loss did not improve for {patience} evaluations")
+                        break
+    train_s = time.perf_counter() - t0
+    improved = best is not None and _mal(best["heldout"]) > _mal(before["heldout"])
+    report = {
+        "model": model.identity,
+        "depth": depth,
+        "splits": {k: [p.id for p in v] for k, v in splits.items()},
+        "generation": gen_cost,
+        "hidden_states_seconds": hidden_s,
+        "training": {"steps_requested": steps, "steps_run": step, "lr": lr, "batch": batch,
+                     "eval_every": eval_every, "patience": patience, "seed": seed,
+                     "stopped_early": stopped_early, "seconds": train_s,
+                     "train_rows": sum(max(ex["ids"].shape[1] - max(ex["P"] - 1, 0) - 2, 0) for ex in data["train"]),
+                     "early_stopping": "dev loss (head CE on dev streams), patience in evaluations",
+                     "selection": "max held-out mean accepted length at fixed depth"},
+        "before": before,
+        "after": best,
+        "selected_step": best["step"] if best else None,
+        "improved": improved,
+        "history": history,
+        "shortlist": {k: v for k, v in shortlist.items() if k != "ids"},
+    }
+    return {"report": report, "state": best_state, "improved": improved, "shortlist": shortlist}
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
+    from safetensors.torch import save_file
+
+    from harness.schema import write_json_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (HEAD_FILE + ".tmp")
+    save_file({"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"format": "pt", "selected_step": str(report.get("selected_step"))})
+    tmp.replace(out / HEAD_FILE)
+    from decoders.drafter import SHORTLIST_FILE
+
+    write_json_atomic(out / SHORTLIST_FILE, shortlist)
+    write_json_atomic(out / REPORT_FILE, report)
+
+
+def load_head(model, directory):
+    """A copy of ``model``'s MTP head with ``DIR/mtp.safetensors`` loaded (strict: exactly the
+    head's tensor names under ``mtp.``, matching shapes), in the model's dtype and device. The
+    model itself (backbone and its own head) is unchanged."""
+    from safetensors.torch import load_file
+
+    from harness.errors import UserError
+
+    if model.mtp is None:
+        raise UserError(f"model {model.name} has no MTP head to load a trained one into: {model.mtp_missing}")
+    path = Path(directory) / HEAD_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such head file")
+    raw = load_file(str(path), device=str(model.device))
+    bad = [k for k in raw if not k.startswith("mtp.")]
+    if bad:
+        raise UserError(f"{path}: unexpected tensor {bad[0]} (a head file holds only mtp.*)")
+    head = copy.deepcopy(model.mtp)
+    own = head.state_dict()
+    sd = {k[4:]: v for k, v in raw.items()}
+    for k, v in sd.items():
+        if k in own and tuple(own[k].shape) != tuple(v.shape):
+            raise UserError(f"{path}: mtp.{k} has shape {tuple(v.shape)}, the model's head has {tuple(own[k].shape)}")
+    try:
+        head.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in sd.items()}, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{path}: does not match the model's head ({str(exc).splitlines()[0]})") from None
+    return head.eval()
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = []
+    for name in ("before", "after"):
+        rec = report.get(name)
+        if not rec:
+            lines.append(f"{name}: (no trained checkpoint evaluated)")
+            continue
+        ev = rec["heldout"]
+        per = " ".join(f"d{d['depth']}={d['conditional']:.3f}" for d in ev["per_depth"])
+        lines.append(f"{name} (step {rec['step']}): mean accepted length {ev['mean_accepted_length']} "
+                     f"at depth {ev['depth']}; acceptance per depth {per}")
+    return lines
