@@ -18,7 +18,7 @@ from audit_helpers import (copy_stream, find_leg, findings, legs_of, prompt_ids,
                            run_harness, retime, write_records)
 
 TOP_KEYS = {"schema", "stream", "stream_sha256", "verdict", "exact", "consistent", "score", "score_params",
-            "median_ratio", "f_mem", "memory", "replay", "model", "header_model", "candidate", "instrument",
+            "median_ratio", "f_mem", "memory", "replay", "model", "header_model", "candidate", "instrument", "reference",
             "prompts", "findings"}
 PROMPT_KEYS = {"id", "exact", "tokens", "ratio", "harness_ratio", "control_median_s", "candidate_median_s",
                "control_peak_bytes", "candidate_peak_bytes", "first_divergence", "warm_leg_flag"}
