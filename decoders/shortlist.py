@@ -18,17 +18,31 @@ from pathlib import Path
 
 
 def build(model, prompts, max_new_tokens: int, size: int, progress=None) -> dict:
+    """Generate greedily (exact fast runtime) from every prompt, then count: see from_streams."""
     from decoders.fast_serial import FastSerialDecoder
 
-    if size < 1 or size > model.vocab_size:
-        raise ValueError(f"shortlist size must be within 1..{model.vocab_size}")
+    check_size(size, model.vocab_size)
     dec = FastSerialDecoder()
     dec.prepare(model)
-    counts: Counter = Counter()
+    streams = []
     for i, prompt in enumerate(prompts):
-        counts.update(dec.decode(prompt.token_ids, max_new_tokens).tokens)
+        streams.append(dec.decode(prompt.token_ids, max_new_tokens).tokens)
         if progress:
             progress(i + 1, len(prompts))
+    return from_streams(model, streams, max_new_tokens, size)
+
+
+def check_size(size: int, vocab: int) -> None:
+    if size < 1 or size > vocab:
+        raise ValueError(f"shortlist size must be within 1..{vocab}")
+
+
+def from_streams(model, streams: list[list[int]], max_new_tokens: int, size: int) -> dict:
+    """The ``size`` most frequent ids of already generated streams, then the lowest unseen ids."""
+    check_size(size, model.vocab_size)
+    counts: Counter = Counter()
+    for tokens in streams:
+        counts.update(tokens)
     ids = [t for t, _ in counts.most_common(size)]
     seen = set(ids)
     fill = (t for t in range(model.vocab_size) if t not in seen)

@@ -68,7 +68,6 @@ class SpecDecoder:
         self.explore_every = int(explore_every)
         self.capacity = int(capacity)
         self.model = self.runtime = self.drafter = self.costs = None
-        self._emitted = {"n": 0}  # tokens emitted before the current draft (read by the instrument)
 
     # ------------------------------------------------------------------ setup
 
@@ -134,6 +133,11 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ decoding
 
+    def propose(self, drafts: list[torch.Tensor], emitted: int) -> list[torch.Tensor]:
+        """The drafts a round verifies, given the head's drafts and the tokens emitted so far
+        (the instrument overrides this; ``spec`` verifies the head's own drafts)."""
+        return drafts
+
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
         needed = len(prompt_ids) + max_new_tokens + self.max_depth + 2
@@ -167,8 +171,7 @@ class SpecDecoder:
                 tokens.append(int(y.item()))
                 continue
             t = timer.start()
-            self._emitted["n"] = len(tokens)
-            drafts = dr.draft(torch.cat(pend_h, dim=1), torch.cat(pend_t, dim=1), depth)
+            drafts = self.propose(dr.draft(torch.cat(pend_h, dim=1), torch.cat(pend_t, dim=1), depth), len(tokens))
             timer.stop("draft", t)
             t = timer.start()
             prog = rt.verify(torch.cat([y] + drafts, dim=1))
@@ -245,29 +248,20 @@ class InstrumentedSpecDecoder(SpecDecoder):
         key = tuple(prompt_ids)
         if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
             self.prepare_prompt(prompt_ids, max_new_tokens)
-        ref = self.reference[key]
-        rng = torch.Generator().manual_seed(self.seed)
-        vocab = self.model.vocab_size
-        real_draft = self.drafter.draft
-        emitted = {"n": 0}
+        self._ref = self.reference[key]
+        self._rng = torch.Generator().manual_seed(self.seed)  # the same substitutions on every leg
+        return super().decode(prompt_ids, max_new_tokens)
 
-        def substituted(pending_hidden, pending_tokens, depth):
-            drafts = real_draft(pending_hidden, pending_tokens, depth)  # every cost stays real
-            out = []
-            for i, d in enumerate(drafts):
-                pos = emitted["n"] + i
-                want = ref[pos] if pos < len(ref) else None
-                if want is not None and float(torch.rand((), generator=rng)) < self.alpha:
-                    out.append(torch.full_like(d, want))
-                else:
-                    wrong = (want if want is not None else int(d.item())) + 1 + int(torch.randint(vocab - 1, (), generator=rng))
-                    out.append(torch.full_like(d, wrong % vocab))
-            return out
-
-        self.drafter.draft = substituted
-        self._emitted = emitted
-        emitted["n"] = 0
-        try:
-            return super().decode(prompt_ids, max_new_tokens)
-        finally:
-            del self.drafter.draft
+    def propose(self, drafts: list[torch.Tensor], emitted: int) -> list[torch.Tensor]:
+        """The head's drafts were computed (every cost stays real); replace each by the control's
+        token at its position with probability alpha, else by a token that is certainly wrong."""
+        ref, vocab, out = self._ref, self.model.vocab_size, []
+        for i, d in enumerate(drafts):
+            pos = emitted + i
+            want = ref[pos] if pos < len(ref) else None
+            if want is not None and float(torch.rand((), generator=self._rng)) < self.alpha:
+                out.append(torch.full_like(d, want))
+            else:
+                base = want if want is not None else int(d.item())
+                out.append(torch.full_like(d, (base + 1 + int(torch.randint(vocab - 1, (), generator=self._rng))) % vocab))
+        return out

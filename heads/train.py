@@ -20,7 +20,7 @@ Pipeline (``heads train``, heads/cli.py):
  5. evaluation: the head cast back to the model's dtype, chained drafts at fixed depth d against
     the greedy stream, ``fixtures.train_small.acceptance_runs`` (what spec's head cache sees);
     mean accepted length = tokens per verification round = 1 + accepted drafts per round;
- 6. save: ``mtp.safetensors`` (``mtp.*``), ``draft_shortlist.json`` (``decoders.shortlist.build``
+ 6. save: ``mtp.safetensors`` (``mtp.*``), ``draft_shortlist.json`` (``decoders.shortlist.from_streams``
     over the train+dev generations, not re-generated), ``report.json``. A head that is not better
     than the starting one on held-out mean accepted length is not saved unless ``force_save``.
 """
@@ -86,35 +86,11 @@ def generate(model, prompts: list, max_new_tokens: int) -> tuple[list[list[int]]
                      "max_new_tokens": max_new_tokens, "decoder": FastSerialDecoder.name}
 
 
-class _Replay:
-    """Stands in for FastSerialDecoder inside ``decoders.shortlist.build``: returns the streams
-    already generated (same prompts, same order), so the shortlist's logic is reused as is
-    without generating twice."""
-
-    def __init__(self, table):
-        self.table = table
-
-    def __call__(self):
-        return self
-
-    def prepare(self, model):
-        pass
-
-    def decode(self, prompt_ids, max_new_tokens):
-        return SimpleNamespace(tokens=self.table[tuple(prompt_ids)])
-
-
 def build_shortlist(model, prompts: list, streams: list, max_new_tokens: int, size: int) -> dict:
-    import decoders.fast_serial as fs
+    """The shortlist from the generations already made (decoders.shortlist counts them)."""
     from decoders import shortlist
 
-    table = {tuple(p.token_ids): s for p, s in zip(prompts, streams)}
-    real = fs.FastSerialDecoder
-    fs.FastSerialDecoder = _Replay(table)
-    try:
-        return shortlist.build(model, prompts, max_new_tokens, min(size, model.vocab_size))
-    finally:
-        fs.FastSerialDecoder = real
+    return shortlist.from_streams(model, streams, max_new_tokens, min(size, model.vocab_size))
 
 
 # --------------------------------------------------------------------------- data and loss
