@@ -41,11 +41,11 @@ def main():
 
 
 @main.command("replay")
-@click.argument("stream", metavar="STREAM")
+@click.argument("streams", metavar="STREAM...", nargs=-1, required=True)
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
               help="Model to replay with (built-in name or checkpoint dir). Default: the one the header names.")
 @click.option("--out", "out_path", default=None, metavar="AUDIT_JSON",
-              help="Where to write the audit. Default: audit.json beside STREAM.")
+              help="Where to write the audit (one STREAM only). Default: audit.json beside each STREAM.")
 @click.option("--device", default=None,
               help="torch device for the replay. Default: the recording device's type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
@@ -60,7 +60,7 @@ def main():
               help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
                    "finish) for this long is taken as hung; the audit then fails (exit 2) naming the rank "
                    "and its prompt, and writes nothing. Also the process group's timeout.")
-def replay_cmd(stream, model_spec, out_path, device, allow_device_mismatch, s_max, kappa, mem_allowance,
+def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_max, kappa, mem_allowance,
                dist_timeout):
     """Replay STREAM (a harness stream.jsonl) and audit it.
 
@@ -74,13 +74,24 @@ def replay_cmd(stream, model_spec, out_path, device, allow_device_mismatch, s_ma
     i % G (cuda:LOCAL_RANK) and rank 0 writes the one audit.json, the same document as one
     process would write apart from the replay's timing and its world_size/ranks. A rank that
     fails or hangs fails the audit (exit 2) naming the rank and prompt; nothing is written.
+
+    Several streams in one process (`audit replay a/stream.jsonl b/stream.jsonl ...`): each gets
+    its own audit.json beside it, the same document a separate audit would write, but every
+    distinct (model, prompt, N) is walked once for all of them, so auditing K runs of one
+    benchmark costs one replay instead of K. Every file is read and checked for bad input before
+    anything is replayed or written.
     """
     from harness.dist import quiet_rank, rank_prefix
 
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
     try:
-        code = audit_stream(Path(stream), model_spec, Path(out_path) if out_path else None, device,
-                            allow_device_mismatch, params, dist_timeout)
+        if len(streams) > 1:
+            if out_path:
+                raise BadInput("--out names one file: with several streams each audit.json is written beside its stream")
+            code = audit_streams([Path(s) for s in streams], model_spec, device, allow_device_mismatch, params)
+        else:
+            code = audit_stream(Path(streams[0]), model_spec, Path(out_path) if out_path else None, device,
+                                allow_device_mismatch, params, dist_timeout)
     except (BadInput, UserError) as exc:
         fail(str(exc), quiet=quiet_rank())  # every rank meets it alike: rank 0 says it
     except DistError as exc:
@@ -224,6 +235,79 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
         findings += divergence_findings(run, replayed)
     return finish(run, path, out_path, findings, replayed, replay_info([replay_dev], tokens, seconds),
                   model.identity, params)
+
+
+def prepare_job(path: Path, load_run, models: dict, model_spec, device, allow_device_mismatch) -> tuple:
+    """One stream of a multi-stream audit: read, device-checked, its model loaded (or reused) and
+    every replay-free finding computed. Returns (path, run, replay device, findings, model key,
+    whether to replay it)."""
+    from audit import checks
+
+    run = load_run(path)
+    dev = choose_device(device, run.header["device"])
+    replay_dev = replay_device_json(dev)
+    findings = checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
+    key = (model_spec or model_spec_from_header(run.header), dev)
+    if key not in models:
+        models[key] = load_replay_model(run, model_spec, dev)
+    check_prompt_ids(run, models[key].vocab_size)
+    more, model_findings = file_findings(run, models[key].identity)
+    return path, run, replay_dev, findings + more, key, not model_findings
+
+
+def audit_streams(paths: list[Path], model_spec: str | None, device: str | None, allow_device_mismatch: bool,
+                  params: dict) -> int:
+    """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``).
+    Bad input in any file stops everything before a replay or a write."""
+    from harness import determinism
+
+    determinism.pin()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from harness import dist
+
+    from audit import checks
+    from audit.replay import replay_shared
+    from audit.report import divergence_findings
+    from audit.stream import load_run
+
+    if dist.topology().active:
+        raise BadInput("under torchrun, audit one stream per launch (the sharded replay splits one run's prompts)")
+    resolved = [p.resolve() for p in paths]
+    dup = next((p for i, p in enumerate(resolved) if p in resolved[:i]), None)
+    if dup is not None:
+        raise BadInput(f"{dup} is named twice")
+    models: dict[tuple[str, str], object] = {}
+    jobs = []  # (path, run, replay device, findings, model key, replay?)
+    for path in paths:
+        try:
+            jobs.append(prepare_job(path, load_run, models, model_spec, device, allow_device_mismatch))
+        except (BadInput, UserError) as exc:
+            raise type(exc)(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
+
+    replays: dict[int, tuple] = {}
+    for key, model in models.items():
+        members = [i for i, job in enumerate(jobs) if job[4] == key and job[5]]
+        if not members:
+            continue
+        log(f"replaying {len(members)} stream(s) with {key[0]} on {jobs[members[0]][2]['name']}, "
+            "each distinct prompt once ...")
+        for i, result in zip(members, replay_shared(model, [jobs[i][1] for i in members], log)):
+            replays[i] = result
+
+    codes = []
+    for i, (path, run, replay_dev, findings, key, _) in enumerate(jobs):
+        replayed, tokens, seconds = replays.get(i, (None, 0, 0.0))
+        if replayed is not None:
+            findings = findings + divergence_findings(run, replayed)
+        click.echo(f"\n== {path}")
+        codes.append(finish(run, path, path.parent / "audit.json", findings, replayed,
+                            replay_info([replay_dev], tokens, seconds), models[key].identity, params))
+    failed = [str(p) for p, c in zip(paths, codes) if c != EXIT_PASS]
+    click.echo(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +
+               (f"; failing: {', '.join(failed)}" if failed else ""))
+    return EXIT_FAIL if failed else EXIT_PASS
 
 
 if __name__ == "__main__":

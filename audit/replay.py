@@ -153,6 +153,48 @@ def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None) -> Prom
     return PromptReplay(divs, len(greedy), greedy)
 
 
+def walked(divergence: Divergence | None, full: int) -> int:
+    """How many positions a walk computes to settle one stream: all of them if it is exact, else up
+    to its first divergence (a stop-rule divergence is found without computing its position)."""
+    if divergence is None:
+        return full
+    return divergence.position if divergence.reason in (AFTER_EOS, TOO_LONG) else divergence.position + 1
+
+
+def replay_shared(model, runs: list, log=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
+    """Replay several runs recorded with one model: each distinct (prompt, N) is walked ONCE for
+    the legs of every run that holds it. A stream's verdict depends only on the greedy path, which
+    is the same for every run of the same model, prompt and N, so sharing the walk changes no
+    result. Returns, per run, what ``replay_run`` would: ({prompt_id: PromptReplay}, tokens
+    replayed, seconds); a shared walk's tokens and seconds are counted for every run it settled."""
+    stepper = PristineSerial(model)
+    eos = set(model.eos_token_ids)
+    groups: dict[tuple, list[tuple[int, object]]] = {}
+    for i, run in enumerate(runs):
+        for p in run.prompts:
+            groups.setdefault((tuple(p.token_ids), run.max_new_tokens), []).append((i, p))
+    out = [({}, 0, 0.0) for _ in runs]
+    for n, ((prompt_ids, max_new), members) in enumerate(groups.items(), start=1):
+        labelled = [(i, p, leg_streams(p)) for i, p in members]
+        streams = [s for _, _, legs in labelled for s in legs.values()]
+        t0 = time.perf_counter()
+        results, greedy = replay_prompt(stepper, list(prompt_ids), streams, max_new, eos)
+        seconds = time.perf_counter() - t0
+        for i, p, legs in labelled:
+            divs = {label: results[s] for label, s in legs.items() if results[s] is not None}
+            # the positions this run's own walk would have computed, so its audit.json is the one
+            # a separate audit writes (only the replay's seconds differ: a share of the walk's)
+            own = max(walked(results[s], len(greedy)) for s in legs.values()) if legs else 0
+            replayed, tokens, secs = out[i]
+            replayed[p.id] = PromptReplay(divs, own, greedy[:own])
+            out[i] = (replayed, tokens + own, secs + seconds * own / max(len(greedy), 1))
+        if log:
+            per = 1000 * seconds / len(greedy) if greedy else 0.0
+            log(f"replay [{n}/{len(groups)}] {members[0][1].id}: {len(greedy)} positions, {per:.1f} ms/token, "
+                f"{len(set(streams))} distinct stream(s) from {len(members)} run(s)")
+    return out
+
+
 def replay_run(model, run, log=None, prompts=None) -> tuple[dict[str, PromptReplay], int, float]:
     """Replay every prompt of a run (or ``prompts``, a rank's share of them). Returns
     ({prompt_id: PromptReplay}, tokens replayed, seconds)."""

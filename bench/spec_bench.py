@@ -46,7 +46,7 @@ def run_config(name: str, args) -> int:
         cmd += ["--decoder-arg", f"shortlist={args.shortlist}"]
     print("$", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
-    if rc != 0:
+    if rc != 0 or args.no_audit:
         return rc
     audit = [sys.executable, "-m", "audit", "replay", str(out / "stream.jsonl")]
     print("$", " ".join(audit), flush=True)
@@ -117,6 +117,8 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--shortlist", default=None, help="draft shortlist JSON for spec and the instruments")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--no-audit", action="store_true",
+                    help="time only; audit later, e.g. every stream at once: audit replay DIR/*/stream.jsonl")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]

@@ -34,9 +34,10 @@ class Unchecked:
 
 
 class MTPDrafter:
-    def __init__(self, model, capacity: int, shortlist: list[int] | None = None):
+    def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None):
+        """``head``: a trained draft head (``heads.load_head``) in place of the checkpoint's own."""
         self.model = model
-        lm, head = model.backbone, model.mtp
+        lm, head = model.backbone, (head if head is not None else model.mtp)
         self.head, self.lm = head, lm
         dev, dtype = model.device, lm.lm_head.weight.dtype
         attn = head.layers[0].self_attn
@@ -195,13 +196,15 @@ class MTPDrafter:
 
 
 SHORTLIST_FILE = "draft_shortlist.json"
+HEAD_FILE = "mtp.safetensors"  # a trained draft head, as `heads train` saves it
 
 
 def default_shortlist(model) -> str | None:
-    """The shortlist stored beside a checkpoint's head, if any (built-ins have none)."""
-    if model.identity.get("kind") != "checkpoint":
+    """The shortlist stored beside a checkpoint's head (also a committed built-in's), if any."""
+    where = model.extra.get("checkpoint_dir")
+    if where is None:
         return None
-    path = Path(model.identity["name"]) / SHORTLIST_FILE
+    path = Path(where) / SHORTLIST_FILE
     return str(path) if path.is_file() else None
 
 

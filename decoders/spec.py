@@ -11,16 +11,21 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   depth          fix the depth instead of adapting (benchmarks)
   shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
                  checkpoint's draft_shortlist.json when there is one, else the full vocabulary
-  explore_every  rounds at depth 0 between probes at depth 1, default 32
+  explore_every  rounds at depth 0 between probes at depth 1, default 64
+  head           a directory written by `heads train` (mtp.safetensors, draft_shortlist.json):
+                 draft with that head, and its shortlist unless ``shortlist`` is given; the
+                 backbone and the model's own head are untouched
 """
 from __future__ import annotations
 
+import hashlib
 import time
+from pathlib import Path
 
 import torch
 
 from decoders.base import DecodeResult, DecodeStats
-from decoders.drafter import MTPDrafter, default_shortlist, load_shortlist
+from decoders.drafter import HEAD_FILE, SHORTLIST_FILE, MTPDrafter, default_shortlist, load_shortlist
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 
@@ -59,12 +64,14 @@ class SpecDecoder:
     name = "spec"
 
     def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
-                 explore_every: int = 32, capacity: int = 4096):
+                 explore_every: int = 64, capacity: int = 4096, head: str | None = None):
         self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
             raise ValueError("max_depth must be within 0..15")
         self.shortlist_path = shortlist
+        self.head_dir = head
+        self.head = None
         self.explore_every = int(explore_every)
         self.capacity = int(capacity)
         self.model = self.runtime = self.drafter = self.costs = None
@@ -74,15 +81,25 @@ class SpecDecoder:
     def prepare(self, model) -> None:
         model.require_mtp(self.name)
         self.model = model
+        if self.head_dir is not None:
+            from heads.train import load_head
+
+            self.head = load_head(model, self.head_dir)
         self._build(self.capacity)
         self.costs = self.measure_costs()
 
     def _build(self, capacity: int) -> None:
         cal = self.runtime.cal if self.runtime is not None else None
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
-        path = self.shortlist_path or default_shortlist(self.model)
+        path = self.shortlist_path or self._head_shortlist() or default_shortlist(self.model)
         ids = load_shortlist(path) if path else None
-        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids)
+        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head)
+
+    def _head_shortlist(self) -> str | None:
+        if self.head_dir is None:
+            return None
+        path = Path(self.head_dir) / SHORTLIST_FILE
+        return str(path) if path.is_file() else None
 
     @torch.inference_mode()
     def measure_costs(self, reps: int = 3) -> Costs:
@@ -115,8 +132,10 @@ class SpecDecoder:
         return Costs(step=step, draft=draft, verify=verify)
 
     def config(self) -> dict:
-        cfg = {"max_depth": self.max_depth, "depth": self.fixed,
-               "shortlist": self.shortlist_path or (default_shortlist(self.model) if self.model else None),
+        cfg = {"max_depth": self.max_depth, "depth": self.fixed, "head": self.head_dir,
+               "head_sha256": file_sha256(Path(self.head_dir) / HEAD_FILE) if self.head_dir else None,
+               "shortlist": self.shortlist_path or self._head_shortlist()
+               or (default_shortlist(self.model) if self.model else None),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
                "explore_every": self.explore_every}
@@ -197,6 +216,10 @@ class SpecDecoder:
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
         return DecodeResult(tokens, stats)
+
+
+def file_sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def sync(device) -> None:

@@ -95,11 +95,12 @@ def list_cmd():
                    "defines exactness. Another reference (e.g. fast-serial) measures the candidate against "
                    "it side by side; the audit still replays every token against serial greedy decoding, "
                    "but does not score such a run.")
-@click.option("--model", "model_spec", default="tiny", show_default=True, metavar="MODEL",
-              help="Built-in model name (tiny, synthetic-9b) or a Qwen3.5 checkpoint directory.")
+@click.option("--model", "model_spec", default="small", show_default=True, metavar="MODEL",
+              help="Built-in model name (small: trained, the default; tiny: random, for tests; synthetic-9b: random, 9B-shaped, GPU) or a Qwen3.5 checkpoint directory.")
 @click.option("--prompts", "prompts_spec", default=None, metavar="PROMPTS",
-              help="Built-in prompt set (dev, random-512) or a jsonl file of {id, text|token_ids}. "
-                   "Default: dev for models with a tokenizer, random-512 otherwise.")
+              help="Built-in prompt set (dev, stdlib-heldout, stdlib-dev, stdlib-train, random-512, "
+                   "random-512-offline; `harness list` describes them) or a jsonl file of {id, text|token_ids}. "
+                   "Default: stdlib-heldout for small, dev for other models with a tokenizer, random-512 otherwise.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="New tokens per decode (stops earlier at EOS). Default: 64 on CPU, 512 on GPU.")
 @click.option("--legs", "-l", type=click.IntRange(min=1), default=2, show_default=True,

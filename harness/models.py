@@ -1,8 +1,12 @@
 """Loading Qwen3.5 backbones and their MTP heads: local checkpoints and the built-in models.
 
 ``--model`` takes a checkpoint directory or a built-in name:
+  small         the default: a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256)
+                with its MTP head, TRAINED on the Python standard library (python -m
+                fixtures.train_small), committed under fixtures/small in the released layout with
+                its tokenizer and draft shortlist; real text, real acceptance, CPU-sized;
   tiny          a deterministic random Qwen3.5 committed under fixtures/tiny in the released
-                multimodal layout, so loading it exercises the real checkpoint loader;
+                multimodal layout, so loading it exercises the real checkpoint loader (fast tests);
   synthetic-9b  the Qwen3.5-9B shape (default ``Qwen3_5TextConfig``) with random bf16 weights and
                 a random MTP head, built on the GPU from a seed in about a second, never on disk.
 
@@ -27,11 +31,16 @@ from harness.mtp import MTPHead
 DTYPE = torch.bfloat16
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TINY_DIR = FIXTURES / "tiny"
+SMALL_DIR = FIXTURES / "small"
+DEFAULT_MODEL = "small"
+COMMITTED = {"tiny": TINY_DIR, "small": SMALL_DIR}
 SYNTHETIC_SEED = 0
 # Qwen3.5's end-of-text ids (<|im_end|>, <|endoftext|>); the random 9B model keeps them.
 SYNTHETIC_EOS = (248046, 248044)
 
 BUILTIN_MODELS = {
+    "small": "the default: a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256, 4096-token "
+    "BPE) with its MTP head, trained on the Python standard library (fixtures/train_small.py); CPU-sized",
     "tiny": "deterministic random Qwen3.5 (4 layers: 3 Gated-DeltaNet + 1 attention, MTP head, "
     "512-token BPE tokenizer) in the released checkpoint layout under fixtures/tiny; CPU-sized",
     "synthetic-9b": "the Qwen3.5-9B shape with random bf16 weights and a random MTP head, "
@@ -75,10 +84,10 @@ def load_model(spec: str, device: str | None = None) -> LoadedModel:
         raise UserError(f"device {device!r} requested but this machine has no CUDA GPU")
     if spec == "synthetic-9b":
         return build_synthetic_9b(device)
-    if spec == "tiny":
-        model = load_checkpoint(TINY_DIR, device)
-        model.name = "tiny"
-        model.identity["name"] = "tiny"
+    if spec in COMMITTED:
+        model = load_checkpoint(COMMITTED[spec], device)
+        model.name = spec
+        model.identity["name"] = spec
         model.identity["kind"] = "builtin"
         return model
     path = Path(spec)
@@ -227,6 +236,7 @@ def load_checkpoint(path: Path, device: str) -> LoadedModel:
         mtp=mtp,
         mtp_missing=why,
         tokenizer=TokenizerRef(path),
+        extra={"checkpoint_dir": str(path.resolve())},
     )
 
 

@@ -4,6 +4,14 @@ Built-in sets:
   dev         fixtures/prompts/dev.jsonl: prose, code, lists, dialogue, math (needs a tokenizer)
   random-512  8 prompts of 512 token ids drawn from a fixed seed (for models without a tokenizer,
               such as synthetic-9b; random weights make any prompt equally meaningful)
+  stdlib-train / stdlib-dev / stdlib-heldout
+              snippets (~400 characters from a line start) of the running Python's standard library,
+              from one split of fixtures/corpus.py (the split the built-in `small` model was trained
+              with): 512 / 32 / 10 prompts. stdlib-train feeds `heads train`; stdlib-heldout is for
+              measurement only, never for a choice. Which files exist depends on the Python version
+              (the header's sha256 covers the prompts' text)
+  random-512-offline  64 other prompts of 512 random ids (another seed): for building offline
+              artifacts (draft shortlists, head training data) apart from the benchmark prompts
 """
 from __future__ import annotations
 
@@ -20,7 +28,18 @@ from harness.errors import UserError
 BUILTIN_PROMPTS = {
     "dev": "10 varied prompts (prose, code, lists, dialogue, math), tokenized with the model's tokenizer",
     "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
+    "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
+                          "for building shortlists and head data apart from the benchmark prompts",
 }
+BUILTIN_PROMPTS.update({
+    "stdlib-train": "512 snippets of the Python stdlib's train split (fixtures/corpus.py), for heads train",
+    "stdlib-dev": "32 snippets of the Python stdlib's dev split",
+    "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only",
+})
+CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
+SNIPPET_CHARS = 400
+# name -> (count, seed, id prefix)
+RANDOM_SETS = {"random-512": (8, 0, "random"), "random-512-offline": (64, 1, "offline")}
 
 
 @dataclass
@@ -30,13 +49,34 @@ class Prompt:
     text: str | None = None
 
 
+def corpus_prompts(split: str, count: int, chars: int = SNIPPET_CHARS) -> list[dict]:
+    """``count`` snippets spread over a split's files (round-robin in path order), each starting at
+    a line start chosen by a hash of (path, k): the same on every machine with the same stdlib."""
+    from fixtures.corpus import collect
+
+    files = [f for f in collect().split(split) if len(f.text) > 2 * chars]
+    if not files:
+        raise UserError(f"the standard library here has no {split}-split files to cut prompts from")
+    out = []
+    for k in range(count):
+        f = files[k % len(files)]
+        h = int.from_bytes(hashlib.sha256(f"{f.path}\0{k}".encode()).digest()[:8], "big")
+        start = f.text.rfind("\n", 0, h % (len(f.text) - chars)) + 1
+        out.append({"id": f"{split}-{k}:{f.path}", "text": f.text[start:start + chars]})
+    return out
+
+
 def default_prompt_set(model) -> str:
+    """The built-in trained on the stdlib is measured on the stdlib's held-out split; other models
+    with a tokenizer on the varied dev set; models without one on random ids."""
+    if model.identity.get("name") == "small":
+        return "stdlib-heldout"
     return "dev" if model.tokenizer is not None else "random-512"
 
 
-def random_prompts(vocab: int, count: int = 8, length: int = 512, seed: int = 0) -> list[dict]:
+def random_prompts(vocab: int, count: int = 8, length: int = 512, seed: int = 0, prefix: str = "random") -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
-    return [{"id": f"random-{i}", "token_ids": torch.randint(0, vocab, (length,), generator=gen).tolist()}
+    return [{"id": f"{prefix}-{i}", "token_ids": torch.randint(0, vocab, (length,), generator=gen).tolist()}
             for i in range(count)]
 
 
@@ -62,9 +102,14 @@ def parse_jsonl(path: Path) -> list[dict]:
 def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[list[Prompt], dict]:
     """Resolve a prompt set against a model. Returns the prompts and a description for the header."""
     spec = spec or default_prompt_set(model)
-    if spec == "random-512":
-        entries = list(enumerate(random_prompts(model.vocab_size), start=1))
-        source = "builtin:random-512"
+    if spec in CORPUS_SETS:
+        entries = list(enumerate(corpus_prompts(*CORPUS_SETS[spec]), start=1))
+        source = f"builtin:{spec}"
+        digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
+    elif spec in RANDOM_SETS:
+        count, seed, prefix = RANDOM_SETS[spec]
+        entries = list(enumerate(random_prompts(model.vocab_size, count, seed=seed, prefix=prefix), start=1))
+        source = f"builtin:{spec}"
         digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
     else:
         path = DEV_FILE if spec == "dev" else Path(spec)

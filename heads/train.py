@@ -38,7 +38,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-HEAD_FILE = "mtp.safetensors"
+from decoders.drafter import HEAD_FILE  # one name for the file, shared with spec
+
 REPORT_FILE = "report.json"
 
 

@@ -26,8 +26,8 @@ def invoke(args: list[str]):
 
 
 def time_args(out: Path, decoder: str, legs: int = 2, limit: int = 2, n: int = 8, *extra: str) -> list[str]:
-    return ["time", "--decoder", decoder, "--limit", str(limit), "-n", str(n), "--legs", str(legs),
-            "--out", str(out), *extra]
+    return ["time", "--decoder", decoder, "--model", "tiny", "--limit", str(limit), "-n", str(n),
+            "--legs", str(legs), "--out", str(out), *extra]
 
 
 def leftovers(out: Path) -> list[str]:

@@ -170,3 +170,38 @@ def test_model_without_mtp_head(tmp_path, capsys):
     errs = _err(capsys)
     assert len(errs) == 1 and "no MTP head" in errs[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_spec_loads_a_trained_head_by_decoder_arg(trained, tmp_path):
+    """`harness time --decoder spec --decoder-arg head=DIR`: spec drafts with the saved head and its
+    shortlist, the header records the head's sha256, the run is exact, and the model the harness
+    loaded (backbone and its own head, hence its identity) is untouched."""
+    import json
+
+    from click.testing import CliRunner
+
+    from harness.cli import main as harness_main
+
+    model, _, res, *_ = trained
+    T.save_head(tmp_path / "head", res["state"], res["shortlist"], res["report"])
+    out = tmp_path / "run"
+    r = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec", "--decoder-arg",
+                                          f"head={tmp_path / 'head'}", "--limit", "2", "-n", "12", "--legs", "1",
+                                          "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    header = json.loads((out / "stream.jsonl").read_text().splitlines()[0])
+    cfg = header["candidate"]["config"]
+    assert cfg["head"] == str(tmp_path / "head") and len(cfg["head_sha256"]) == 64
+    assert cfg["shortlist"].endswith("draft_shortlist.json")
+    assert header["model"]["weights_fingerprint"] == model.identity["weights_fingerprint"]
+    legs = [json.loads(x) for x in (out / "stream.jsonl").read_text().splitlines()]
+    legs = [x for x in legs if x["type"] == "leg"]
+    for pid in {x["prompt_id"] for x in legs}:
+        ctl, cand = [x["tokens"] for x in legs if x["prompt_id"] == pid]
+        assert ctl == cand
+
+    bad = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec", "--decoder-arg",
+                                            f"head={tmp_path / 'nowhere'}", "--limit", "1", "-n", "4",
+                                            "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "no such head file" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "bad" / "stream.jsonl").exists()

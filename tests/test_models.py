@@ -418,3 +418,21 @@ def test_cli_error_through_real_console_script(tmp_path):
     assert [ln for ln in lines if ln.startswith("error:")] == [lines[-1]]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not out.exists()
+
+
+def test_small_is_the_trained_default_with_its_head_and_prompts():
+    """The built-in default is the committed trained model: released layout, MTP head present,
+    its own tokenizer, and the stdlib held-out prompts as its default set."""
+    from harness.models import DEFAULT_MODEL, load_model
+    from harness.prompts import default_prompt_set, load_prompts
+
+    assert DEFAULT_MODEL == "small"
+    model = load_model("small", "cpu")
+    assert model.identity["kind"] == "builtin" and model.identity["layout"] == "multimodal"
+    assert model.mtp is not None and model.vocab_size == 4096
+    assert default_prompt_set(model) == "stdlib-heldout"
+    prompts, info = load_prompts(None, model)
+    assert info["source"] == "builtin:stdlib-heldout" and len(prompts) == 10
+    assert all(p.text and p.token_ids for p in prompts)
+    text = model.tokenizer.get().decode(prompts[0].token_ids)
+    assert text == prompts[0].text  # byte-level BPE round-trips the source text

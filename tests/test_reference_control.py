@@ -13,7 +13,7 @@ from harness.cli import main as harness_main
 
 def test_fast_serial_reference_is_audited_but_not_scored(tmp_path):
     out = tmp_path / "run"
-    res = CliRunner().invoke(harness_main, ["time", "--control", "fast-serial", "--decoder", "spec", "--limit", "2",
+    res = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--control", "fast-serial", "--decoder", "spec", "--limit", "2",
                                             "-n", "10", "--legs", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     header = json.loads((out / "stream.jsonl").read_text().splitlines()[0])

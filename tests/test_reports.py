@@ -41,7 +41,7 @@ def tiny_harness_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny-run")
     # spec-naive: a fixed depth of 3, so every round drafts and the acceptance figure has data
-    res = CliRunner().invoke(harness_main, ["time", "--decoder", "spec-naive", "--limit", "3", "-n", "16",
+    res = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec-naive", "--limit", "3", "-n", "16",
                                             "--legs", "2", "--warmup-tokens", "0", "--out", str(out), "--report"])
     assert res.exit_code == 0, res.output
     return out, res.output
