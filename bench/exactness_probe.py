@@ -1,6 +1,7 @@
 """Exactness probe for verify windows with PARTIAL accepts (the runtime bench accepts whole windows).
 
-    python bench/exactness_probe.py [--model synthetic-9b] [--prompt random-1] [-n 256] [--device cuda]
+    python bench/exactness_probe.py [--model synthetic-9b] [--prompt random-1[,random-2,...]] [-n 256]
+                                    [--scenarios ...] [--eliminate] [--no-instrument] [--json FILE]
 
 A reference runtime steps serially (fast-serial: bit-equal to the control) along the greedy stream.
 Each scenario replays the stream as verify windows of random size w with j true drafts then junk,
@@ -106,76 +107,68 @@ def scenario(model, prompt, n, cal, ref_tokens, ref_logits, *, graphs, choose, d
     return {"ok": True, "rounds": len(history)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="synthetic-9b")
-    ap.add_argument("--prompt", default="random-1")
-    ap.add_argument("-n", type=int, default=256)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--scenarios", default="partial,partial-eager,full,w2,w3,partial+drafter",
-                    help="comma-separated subset of the base scenarios to run")
-    ap.add_argument("--no-instrument", action="store_true", help="skip decoding with spec-instrument")
-    ap.add_argument("--eliminate", action="store_true",
-                    help="also rerun the w=2 scenario with each proven batching switched off in turn")
-    args = ap.parse_args()
+CHOOSERS = {
+    "partial": lambda r: (r.randint(2, 7), r.randint(0, 6)),
+    "full": lambda r: (r.randint(2, 7), 6),  # j is clipped to w - 1: every row accepted
+    "w2": lambda r: (2, r.randint(0, 1)),
+    "w3": lambda r: (3, r.randint(0, 2)),
+}
+PLAN = [("partial", True, False), ("partial", False, False), ("full", True, False), ("w2", True, False),
+        ("w3", True, False), ("partial", True, True)]
 
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    from decoders.runtime.calibration import calibrate
+def elimination_variants(cal) -> dict:
+    """The calibration with one batched op class (or every GEMM shape alone) run row by row."""
+    import dataclasses
+
+    variants = {"serial-only": dataclasses.replace(cal, gemm={k: 1 for k in cal.gemm}, hidden_mean=1, head_norm=1,
+                                                   gated_norm=1, l2norm=1, conv_window=False, elementwise=False),
+                "gemm=1": dataclasses.replace(cal, gemm={k: 1 for k in cal.gemm}),
+                "elementwise=False": dataclasses.replace(cal, elementwise=False)}
+    for field_name in ("hidden_mean", "head_norm", "gated_norm", "l2norm"):
+        if getattr(cal, field_name) > 1:
+            variants[f"{field_name}=1"] = dataclasses.replace(cal, **{field_name: 1})
+    if cal.conv_window:
+        variants["conv_window=False"] = dataclasses.replace(cal, conv_window=False)
+    return variants
+
+
+def probe_prompt(model, cal, prompt, args) -> dict:
+    """Every requested scenario on one prompt; with --eliminate, and if the w=2 scenario is not
+    exact, the w=2 scenario again under each elimination variant (then per GEMM shape if turning
+    every GEMM row by row was what fixed it)."""
+    import dataclasses
+
     from decoders.spec import InstrumentedSpecDecoder
-    from harness.models import load_model
-    from harness.prompts import load_prompts
 
-    model = load_model(args.model, args.device)
-    prompts, _ = load_prompts("random-512" if model.tokenizer is None else "dev", model)
-    prompt = next((p for p in prompts if p.id == args.prompt), prompts[0]).token_ids
-    cal = calibrate(model, max_rows=8)
-    print("calibration:", json.dumps(cal.to_json()), flush=True)
     ref_tokens, ref_logits = reference(model, prompt, args.n, cal)
     gpu = model.device.type == "cuda"
-    choosers = {
-        "partial": lambda r: (r.randint(2, 7), r.randint(0, 6)),
-        "full": lambda r: (w := r.randint(2, 7), w - 1),
-        "w2": lambda r: (2, r.randint(0, 1)),
-        "w3": lambda r: (3, r.randint(0, 2)),
-    }
+    wanted = set(args.scenarios.split(","))
+    if args.eliminate:
+        wanted.add("w2")
     results = {}
-    plan = [("partial", True, False), ("partial", False, False), ("full", True, False), ("w2", True, False),
-            ("w3", True, False), ("partial", True, True)]
-    for name, graphs, drafter in plan:
-        if graphs and not gpu:
-            graphs = False
+    for name, graphs, drafter in PLAN:
+        graphs = graphs and gpu
         label = f"{name}{'' if graphs else '-eager'}{'+drafter' if drafter else ''}"
-        if label in results or label.replace("-eager", "") not in args.scenarios.split(",") and label not in args.scenarios.split(","):
+        if label in results or (label not in wanted and label.replace("-eager", "") not in wanted):
             continue
         results[label] = scenario(model, prompt, args.n, cal, ref_tokens, ref_logits, graphs=graphs,
-                                  choose=choosers[name], drafter=drafter)
+                                  choose=CHOOSERS[name], drafter=drafter)
         print(label, json.dumps(results[label]), flush=True)
-    if args.eliminate:
-        import dataclasses
 
-        variants = {"serial-only": dataclasses.replace(cal, gemm={k: 1 for k in cal.gemm}, hidden_mean=1,
-                                                       head_norm=1, gated_norm=1, l2norm=1, conv_window=False,
-                                                       elementwise=False),
-                    "gemm=1": dataclasses.replace(cal, gemm={k: 1 for k in cal.gemm}),
-                    "hidden_mean=1": dataclasses.replace(cal, hidden_mean=1),
-                    "head_norm=1": dataclasses.replace(cal, head_norm=1),
-                    "gated_norm=1": dataclasses.replace(cal, gated_norm=1),
-                    "l2norm=1": dataclasses.replace(cal, l2norm=1),
-                    "conv_window=False": dataclasses.replace(cal, conv_window=False),
-                    "elementwise=False": dataclasses.replace(cal, elementwise=False)}
-        def run_variants(variants):
-            for name, var in variants.items():
-                label = f"w2 with {name}"
-                results[label] = scenario(model, prompt, args.n, var, ref_tokens, ref_logits, graphs=gpu,
-                                          choose=choosers["w2"])
-                print(label, json.dumps(results[label]), flush=True)
+    def run_variants(variants):
+        for vname, var in variants.items():
+            label = f"w2 with {vname}"
+            results[label] = scenario(model, prompt, args.n, var, ref_tokens, ref_logits, graphs=gpu,
+                                      choose=CHOOSERS["w2"])
+            print(label, json.dumps(results[label]), flush=True)
 
-        run_variants(variants)
-        if results["w2 with gemm=1"]["ok"]:  # then find which GEMM shape
-            run_variants({f"gemm {key}=1": dataclasses.replace(cal, gemm={**cal.gemm, key: 1}) for key in cal.gemm})
+    base = results.get("w2") or results.get("w2-eager")
+    if args.eliminate and base is not None and not base["ok"]:
+        run_variants(elimination_variants(cal))
+        if results["w2 with gemm=1"]["ok"]:
+            run_variants({f"gemm {key}=1": dataclasses.replace(cal, gemm={**cal.gemm, key: 1})
+                          for key in cal.gemm if cal.gemm[key] > 1})
     for alpha in () if args.no_instrument else (0.85,):
         dec = InstrumentedSpecDecoder(alpha=alpha)
         with torch.inference_mode():
@@ -183,7 +176,46 @@ def main() -> int:
         out = dec.decode(prompt, args.n).tokens
         first = next((i for i, (a, b) in enumerate(zip(out, ref_tokens)) if a != b), None)
         results[f"instrument-{alpha}"] = {"ok": first is None, "first_divergence": first}
-        print(f"instrument-{alpha}", json.dumps(results[f"instrument-{alpha}"])[:400], flush=True)
+        print(f"instrument-{alpha}", json.dumps(results[f"instrument-{alpha}"]), flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synthetic-9b")
+    ap.add_argument("--prompt", default="random-1", help="prompt id, or several separated by commas")
+    ap.add_argument("-n", type=int, default=256)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--scenarios", default="partial,partial-eager,full,w2,w3,partial+drafter",
+                    help="comma-separated subset of the base scenarios to run")
+    ap.add_argument("--no-instrument", action="store_true", help="skip decoding with spec-instrument")
+    ap.add_argument("--eliminate", action="store_true",
+                    help="where the w=2 scenario is not exact, rerun it with each batched op class switched "
+                         "to row by row in turn (and each GEMM shape, if that is what fixes it)")
+    args = ap.parse_args()
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from decoders.runtime.calibration import calibrate
+    from harness.models import load_model
+    from harness.prompts import load_prompts
+
+    model = load_model(args.model, args.device)
+    prompts, _ = load_prompts("random-512" if model.tokenizer is None else "dev", model)
+    by_id = {p.id: p.token_ids for p in prompts}
+    wanted = args.prompt.split(",")
+    unknown = [w for w in wanted if w not in by_id]
+    if unknown:
+        print(f"error: unknown prompt {unknown[0]!r}; known: {', '.join(by_id)}", file=sys.stderr)
+        return 2
+    cal = calibrate(model, max_rows=8)
+    print("calibration:", json.dumps(cal.to_json()), flush=True)
+    results = {}
+    for pid in wanted:
+        out = probe_prompt(model, cal, by_id[pid], args)
+        results.update({(k if len(wanted) == 1 else f"{pid} {k}"): v for k, v in out.items()})
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print("\n| scenario | exact | first failure |")

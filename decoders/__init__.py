@@ -18,7 +18,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
                     "exact serial decoding on the fast runtime: static state, CUDA-graphed steps"),
     "spec": ("decoders.spec:SpecDecoder",
              "exact MTP speculation: persistent head cache, adaptive depth, bit-exact verify windows, "
-             "rollback from captured state (args: max_depth, depth, shortlist, explore_every)"),
+             "rollback from captured state (args: max_depth, depth, shortlist, explore_every, head)"),
     "spec-instrument": ("decoders.spec:InstrumentedSpecDecoder",
                         "benchmark instrument: spec with drafts replaced by the control's token with "
                         "probability alpha (arg: alpha); never scored by the audit"),

@@ -72,16 +72,19 @@ def list_cmd():
     from harness.models import BUILTIN_MODELS
     from harness.prompts import BUILTIN_PROMPTS
 
+    from harness.models import DEFAULT_MODEL
+
+    width = 2 + max(len(n) for n in [*REGISTRY, *BUILTIN_MODELS, *BUILTIN_PROMPTS])
     click.echo("decoders (--decoder NAME, or package.module:attr):")
     for name, (_, desc) in REGISTRY.items():
         tag = " [control]" if name == CONTROL else " [default]" if name == DEFAULT_DECODER else ""
-        click.echo(f"  {name:<14}{desc}{tag}")
+        click.echo(f"  {name:<{width}}{desc}{tag}")
     click.echo("built-in models (--model NAME, or a checkpoint directory):")
     for name, desc in BUILTIN_MODELS.items():
-        click.echo(f"  {name:<14}{desc}")
+        click.echo(f"  {name:<{width}}{desc}{' [default]' if name == DEFAULT_MODEL else ''}")
     click.echo("built-in prompt sets (--prompts NAME, or a jsonl file):")
     for name, desc in BUILTIN_PROMPTS.items():
-        click.echo(f"  {name:<14}{desc}")
+        click.echo(f"  {name:<{width}}{desc}")
 
 
 @main.command("time")

@@ -39,7 +39,7 @@ SYNTHETIC_SEED = 0
 SYNTHETIC_EOS = (248046, 248044)
 
 BUILTIN_MODELS = {
-    "small": "the default: a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256, 4096-token "
+    "small": "a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256, 4096-token "
     "BPE) with its MTP head, trained on the Python standard library (fixtures/train_small.py); CPU-sized",
     "tiny": "deterministic random Qwen3.5 (4 layers: 3 Gated-DeltaNet + 1 attention, MTP head, "
     "512-token BPE tokenizer) in the released checkpoint layout under fixtures/tiny; CPU-sized",
