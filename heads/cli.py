@@ -86,8 +86,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train/distil the MTP draft head on the backbone's own greedy generations",
                        description=__doc__.split("\n\n")[1])
-    t.add_argument("--model", required=True, help="checkpoint directory or built-in name (tiny, synthetic-9b)")
-    t.add_argument("--prompts", required=True, help="prompt set: jsonl file, or dev / random-512")
+    t.add_argument("--model", required=True, help="checkpoint directory or built-in name (small, tiny, synthetic-9b)")
+    t.add_argument("--prompts", required=True, help="prompt set: jsonl file, or a built-in set (stdlib-train for small; random-512-offline for synthetic-9b; dev)")
     t.add_argument("-n", "--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--lr", type=float, default=3e-4)
