@@ -87,12 +87,19 @@ def test_fixed_depth_and_validation():
         p.update(5, 0)
 
 
-def test_only_observed_drafts_update():
-    p = DepthPolicy(GPU, max_depth=4)
+@pytest.mark.parametrize("prior", [0.3, 0.5])
+def test_only_observed_drafts_update(prior):
+    p = DepthPolicy(GPU, max_depth=4, prior=prior)
     before = list(p.accept)
     p.update(4, 1)  # draft 1 accepted, draft 2 rejected, drafts 3-4 never seen
     after = p.accept
-    assert after[0] > before[0] and after[1] < before[1]
+    assert after[0] > before[0] and after[1] < after[0]
+    # the rejection lowers depth 2 below what the depth-1 success alone would make it
+    alone = DepthPolicy(GPU, max_depth=4, prior=prior)
+    alone.update(1, 1)
+    assert after[1] < alone.accept[1]
+    if prior == 0.5:  # with an even prior the rejection also takes depth 2 below its prior
+        assert after[1] < before[1]
     assert p.trials[2:] == [0.0, 0.0] and p.hits[2:] == [0.0, 0.0]
     # unseen depths follow the deepest evidence: after a rejection at depth 2 they are lowered too
     assert after[2] == pytest.approx(after[1]) and after[3] == pytest.approx(after[1])
