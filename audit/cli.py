@@ -196,15 +196,19 @@ def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, mode
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
 
 
-def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
-                 allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
-    """The whole audit; returns the exit code. Writes audit.json once, at the end."""
+def pin_replay_environment() -> None:
     from harness import determinism
 
     determinism.pin()  # before anything can touch CUDA, as the harness does
     import transformers
 
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
+
+
+def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
+                 allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
+    """The whole audit; returns the exit code. Writes audit.json once, at the end."""
+    pin_replay_environment()
     from harness import dist
 
     from audit import checks
@@ -237,11 +241,12 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
                   model.identity, params)
 
 
-def prepare_job(path: Path, load_run, models: dict, model_spec, device, allow_device_mismatch) -> tuple:
+def prepare_job(path: Path, models: dict, model_spec, device, allow_device_mismatch) -> tuple:
     """One stream of a multi-stream audit: read, device-checked, its model loaded (or reused) and
     every replay-free finding computed. Returns (path, run, replay device, findings, model key,
     whether to replay it)."""
     from audit import checks
+    from audit.stream import load_run
 
     run = load_run(path)
     dev = choose_device(device, run.header["device"])
@@ -259,18 +264,11 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
                   params: dict) -> int:
     """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``).
     Bad input in any file stops everything before a replay or a write."""
-    from harness import determinism
-
-    determinism.pin()
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    pin_replay_environment()
     from harness import dist
 
-    from audit import checks
     from audit.replay import replay_shared
     from audit.report import divergence_findings
-    from audit.stream import load_run
 
     if dist.topology().active:
         raise BadInput("under torchrun, audit one stream per launch (the sharded replay splits one run's prompts)")
@@ -282,7 +280,7 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
     jobs = []  # (path, run, replay device, findings, model key, replay?)
     for path in paths:
         try:
-            jobs.append(prepare_job(path, load_run, models, model_spec, device, allow_device_mismatch))
+            jobs.append(prepare_job(path, models, model_spec, device, allow_device_mismatch))
         except (BadInput, UserError) as exc:
             raise type(exc)(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
 

@@ -91,15 +91,17 @@ class SpecDecoder:
     def _build(self, capacity: int) -> None:
         cal = self.runtime.cal if self.runtime is not None else None
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
-        path = self.shortlist_path or self._head_shortlist() or default_shortlist(self.model)
+        path = self.shortlist_source()
         ids = load_shortlist(path) if path else None
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head)
 
-    def _head_shortlist(self) -> str | None:
-        if self.head_dir is None:
-            return None
-        path = Path(self.head_dir) / SHORTLIST_FILE
-        return str(path) if path.is_file() else None
+    def shortlist_source(self) -> str | None:
+        """The ``shortlist`` argument, else the trained head's, else the checkpoint's, else none."""
+        if self.shortlist_path:
+            return self.shortlist_path
+        if self.head_dir is not None and (Path(self.head_dir) / SHORTLIST_FILE).is_file():
+            return str(Path(self.head_dir) / SHORTLIST_FILE)
+        return default_shortlist(self.model) if self.model is not None else None
 
     @torch.inference_mode()
     def measure_costs(self, reps: int = 3) -> Costs:
@@ -134,8 +136,7 @@ class SpecDecoder:
     def config(self) -> dict:
         cfg = {"max_depth": self.max_depth, "depth": self.fixed, "head": self.head_dir,
                "head_sha256": file_sha256(Path(self.head_dir) / HEAD_FILE) if self.head_dir else None,
-               "shortlist": self.shortlist_path or self._head_shortlist()
-               or (default_shortlist(self.model) if self.model else None),
+               "shortlist": self.shortlist_source(),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
                "explore_every": self.explore_every}

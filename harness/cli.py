@@ -69,10 +69,8 @@ def main():
 def list_cmd():
     """Show the registered decoders, built-in models and built-in prompt sets."""
     from decoders import CONTROL, DEFAULT_DECODER, REGISTRY
-    from harness.models import BUILTIN_MODELS
+    from harness.models import BUILTIN_MODELS, DEFAULT_MODEL
     from harness.prompts import BUILTIN_PROMPTS
-
-    from harness.models import DEFAULT_MODEL
 
     width = 2 + max(len(n) for n in [*REGISTRY, *BUILTIN_MODELS, *BUILTIN_PROMPTS])
     click.echo("decoders (--decoder NAME, or package.module:attr):")

@@ -4,7 +4,7 @@
   small         the default: a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256)
                 with its MTP head, TRAINED on the Python standard library (python -m
                 fixtures.train_small), committed under fixtures/small in the released layout with
-                its tokenizer and draft shortlist; real text, real acceptance, CPU-sized;
+                its tokenizer; real text, real acceptance, CPU-sized;
   tiny          a deterministic random Qwen3.5 committed under fixtures/tiny in the released
                 multimodal layout, so loading it exercises the real checkpoint loader (fast tests);
   synthetic-9b  the Qwen3.5-9B shape (default ``Qwen3_5TextConfig``) with random bf16 weights and

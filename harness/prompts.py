@@ -30,12 +30,10 @@ BUILTIN_PROMPTS = {
     "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
     "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
                           "for building shortlists and head data apart from the benchmark prompts",
-}
-BUILTIN_PROMPTS.update({
     "stdlib-train": "512 snippets of the Python stdlib's train split (fixtures/corpus.py), for heads train",
     "stdlib-dev": "32 snippets of the Python stdlib's dev split",
     "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only",
-})
+}
 CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
 SNIPPET_CHARS = 400
 # name -> (count, seed, id prefix)

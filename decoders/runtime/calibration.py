@@ -96,10 +96,10 @@ def calibrate(model, max_rows: int = 8, seed: int = 0) -> Calibration:
         cal.gemm[key] = _proven_rows(max_rows, lambda m: _rows_equal(
             lin(x_all[:, :m]), [lin(x_all[:, i:i + 1].contiguous()) for i in range(m)], 1))
 
-    # The hidden-size statistic is never batched. With a handful of rows, the reduction kernel's
-    # launch shape depends on the row count; on an H200 a 2-row mean matched 1-row means on random
-    # data and on ~10,000 real rows, then differed on one real row (bench/exactness_probe.py,
-    # bench/NOTES.md 2026-11-30): random trials cannot prove it, so every row is reduced alone.
+    # The hidden-size statistic is never batched: on an H200 a 2-row mean matched 1-row means on
+    # random data and on ~10,000 real rows, then differed on one real row (bench/exactness_probe.py,
+    # bench/NOTES.md 2026-11-30; why is not established). Random trials cannot prove it, so every
+    # row is reduced alone, as FINDINGS.md's deterministic-configuration probe already advised.
     cal.hidden_mean = 1
 
     attn = next((ly.self_attn for ly in lm.model.layers if hasattr(ly, "self_attn")), None)
