@@ -1,0 +1,76 @@
+"""The calibration's proofs must see rare differences, not only frequent ones.
+
+A batched kernel that sums in another order than the 1-row kernel changes a bf16 output only about
+once in 10^4 elements, and an fp32 statistic in many rows but not all. These fakes reproduce both
+(deterministically) and the proofs must refuse to batch them.
+"""
+from __future__ import annotations
+
+import torch
+
+from decoders.runtime import calibration as C
+
+
+def _rand(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, dt=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dt)
+
+    return rand
+
+
+class RarelyDifferentLinear(torch.nn.Linear):
+    """Multi-row products differ from 1-row products in one bf16 step, in ~1 of 10^4 elements,
+    from ``from_rows`` rows on."""
+
+    def __init__(self, k, n, from_rows=2, rate=1e-4):
+        super().__init__(k, n, bias=False, dtype=torch.bfloat16)
+        self.from_rows, self.rate = from_rows, rate
+        self.flips = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        out = super().forward(x)
+        if x.shape[-2] >= self.from_rows:
+            hit = torch.rand(out.shape, generator=self.flips) < self.rate
+            out = torch.where(hit, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+        return out
+
+
+def test_gemm_proof_catches_a_one_in_ten_thousand_difference():
+    assert C._gemm_rows(RarelyDifferentLinear(64, 32), 8, _rand()) == 1
+    assert C._gemm_rows(RarelyDifferentLinear(64, 32, from_rows=5), 8, _rand()) == 4
+
+
+def test_gemm_proof_accepts_an_invariant_gemm():
+    lin = RarelyDifferentLinear(64, 32, rate=0.0)
+    assert C._gemm_rows(lin, 8, _rand()) == 8
+
+
+def test_one_random_trial_would_have_missed_it():
+    """Why the proof compares many elements: one 8-row trial of a 32-wide output almost never
+    sees a 10^-4 flip rate (this is what the session-2 calibration did)."""
+    lin, rand = RarelyDifferentLinear(64, 32), _rand()
+    x = rand(1, 8, 64)
+    singles = torch.cat([lin(x[:, i:i + 1].contiguous()) for i in range(8)], dim=1)
+    assert torch.equal(lin(x[:, :2]), singles[:, :2])
+
+
+def test_reduction_proof_compares_the_fp32_statistic():
+    def mean_differs_from_4_rows(t):
+        out = t.mean(-1, keepdim=True)
+        if t.shape[1] >= 4:  # another summation order: the last fp32 bit of some rows
+            out = torch.where(torch.arange(out.numel()).view(out.shape) % 3 == 0,
+                              torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+        return out
+
+    assert C._reduction_rows(mean_differs_from_4_rows, (1, 8, 16, 256), 1, 8, _rand()) == 3
+    assert C._reduction_rows(lambda t: t.mean(-1, keepdim=True), (1, 8, 16, 256), 1, 8, _rand()) == 8
+
+
+def test_calibration_is_proven_once_per_model_and_copied(tiny):
+    a = C.calibrate(tiny)
+    b = C.calibrate(tiny)
+    assert a == b and a is not b and a.gemm is not b.gemm
+    a.gemm.clear()
+    assert C.calibrate(tiny).gemm == b.gemm
