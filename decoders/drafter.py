@@ -5,7 +5,9 @@ holds (backbone hidden h_p, token t_{p+1}). After a verification, the rows for a
 recomputed with the backbone's true hidden states (the draft steps had used the head's own
 output) together with the next round's first draft step, in one call, so the head never drifts.
 Rows past the accepted length are simply overwritten later. Drafts need not be exact (the verify
-window decides), so every op here runs batched.
+window decides), so every op here runs batched. On the GPU both the catch-up (one pair per row
+count up to ``max_rows``) and each chained step run as two CUDA graphs around an eager attention
+call, whose KV length changes every round.
 
 Shortlist: the draft logits may be computed over a fixed, request-independent set of token ids
 (built offline from token frequencies of generated text), which cuts the head's largest GEMM;
@@ -34,8 +36,10 @@ class Unchecked:
 
 
 class MTPDrafter:
-    def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None):
-        """``head``: a trained draft head (``heads.load_head``) in place of the checkpoint's own."""
+    def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8):
+        """``head``: a trained draft head (``heads.load_head``) in place of the checkpoint's own.
+        ``max_rows``: the most catch-up rows a round runs as CUDA graphs; longer catch-ups (after
+        plain steps) run eagerly."""
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
         self.head, self.lm = head, lm
@@ -54,11 +58,19 @@ class MTPDrafter:
             self.shortlist = torch.tensor(sorted(set(shortlist)), dtype=torch.long, device=dev)
             self.head_weight = lm.lm_head.weight.index_select(0, self.shortlist).contiguous()
         self._arange = torch.arange(capacity, device=dev)
+        # one pool for all the drafter's graphs: sharing is safe because each pre graph's outputs
+        # are read only by its own post graph, and no other graph replays between the two
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self._build_step()
+        self._build_catch_up(max(1, min(int(max_rows), capacity)))
 
     def nbytes(self) -> int:
-        extra = self.head_weight.numel() * self.head_weight.element_size() if self.shortlist is not None else 0
-        return 2 * self.keys.numel() * self.keys.element_size() + extra
+        """The K/V cache, a shortlisted head weight and the graphs' static buffers (not their pool)."""
+        tensors = [self.keys, self.values, self.in_hidden, self.in_token, self.step_pos, self.step_attn,
+                   self.rows_hidden, self.rows_token, self.rows_pos, self.rows_attn]
+        if self.shortlist is not None:
+            tensors.append(self.head_weight)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def forward_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -69,10 +81,14 @@ class MTPDrafter:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
         positions = self._arange[start:start + m]
         x, query, gate = self._pre(hidden, tokens.view(1, m), positions)
-        mask = None
-        if m > 1:  # causal within the new rows; a single row sees every cached position
-            mask = (self._arange[:start + m].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, start + m)
-        return self._post(x, self._attend(query, start + m, mask), gate)
+        return self._post(x, self._attend(query, start + m, self._causal_mask(positions, start + m)), gate)
+
+    def _causal_mask(self, positions, length: int):
+        """Causal within the new rows; a single row sees every cached position (no mask)."""
+        m = positions.shape[0]
+        if m == 1:
+            return None
+        return (self._arange[:length].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, length)
 
     def _pre(self, hidden, tokens, positions):
         """fc over [embedding, hidden], input norm, q/k/v with their norms and RoPE; K/V written at
@@ -107,6 +123,44 @@ class MTPDrafter:
         x = x + L.mlp(layer.mlp, L.rms_norm(layer.post_attention_layernorm, x, cal), cal)
         return L.rms_norm(self.head.norm, x, cal)
 
+    # ------------------------------------------------------------------ graphed forwards
+
+    @torch.no_grad()
+    def _capture(self, pre, attend, post):
+        """Warm up (pre, attend, post) twice on a side stream, then capture pre and post as CUDA
+        graphs in the drafter's pool; attention stays eager between them (its KV length and mask
+        change every call). Returns the two graphs, or None off the GPU (the functions run eagerly)."""
+        if self.pool is None:
+            return None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                pre()
+                attend(0)
+                post()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for fn in (pre, post):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+            graphs.append(g)
+        return tuple(graphs)
+
+    @staticmethod
+    def _run(fns, graphs, start: int) -> None:
+        """pre, eager attention over KV length start + rows, post: replayed where captured."""
+        pre, attend, post = fns
+        graphs[0].replay() if graphs else pre()
+        attend(start)
+        graphs[1].replay() if graphs else post()
+
+    def _emit(self, out_row) -> None:
+        """The head's last output row and its draft become the next chained step's inputs."""
+        self.in_token.copy_(self.draft_token(out_row))
+        self.in_hidden.copy_(out_row)
+
     # ------------------------------------------------------------------ the chained draft step
 
     def _build_step(self):
@@ -118,48 +172,84 @@ class MTPDrafter:
         attn = self.head.layers[0].self_attn
         self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
         self.in_token = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)  # warm-up writes row 0: nothing is live yet
         self.step_attn = torch.zeros(1, 1, self.lm.config.num_attention_heads * attn.head_dim, dtype=dtype, device=dev)
         self.step_ws = {}
 
         def pre():
             self.step_ws["pre"] = self._pre(self.in_hidden, self.in_token, self.step_pos)
 
+        def attend(position):
+            self.step_attn.copy_(self._attend(self.step_ws["pre"][1], position + 1, None))
+
         def post():
             x, _, gate = self.step_ws["pre"]
-            out = self._post(x, self.step_attn, gate)
-            self.in_token.copy_(self.draft_token(out))
-            self.in_hidden.copy_(out)
+            self._emit(self._post(x, self.step_attn, gate))
 
-        self._step_fns = (pre, post)
-        self._step_graphs = None
-        if dev.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    pre()
-                    self.step_attn.copy_(self._attend(self.step_ws["pre"][1], 1, None))
-                    post()
-            torch.cuda.current_stream().wait_stream(side)
-            graphs = []
-            for fn in (pre, post):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                graphs.append(g)
-            self._step_graphs = graphs
+        self._step_fns = (pre, attend, post)
+        self._step_graphs = self._capture(*self._step_fns)
 
     def _chained_step(self, position: int) -> torch.Tensor:
         """Consume (in_hidden, in_token) at ``position``; leaves the next draft in in_token."""
         if position + 1 > self.capacity:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
         self.step_pos.fill_(position)
-        pre, post = self._step_graphs or (None, None)
-        pre.replay() if pre else self._step_fns[0]()
-        self.step_attn.copy_(self._attend(self.step_ws["pre"][1], position + 1, None))
-        post.replay() if post else self._step_fns[1]()
+        self._run(self._step_fns, self._step_graphs, position)
         return self.in_token.clone()
+
+    # ------------------------------------------------------------------ the catch-up rows
+
+    def _build_catch_up(self, max_rows: int):
+        """A catch-up forward for each row count m = 1..max_rows over static buffers (m-row views
+        of one max-size set), graphed like the chained step; its post leaves the last row's output
+        and draft in (in_hidden, in_token), so chaining continues without a copy."""
+        dev, dtype = self.keys.device, self.keys.dtype
+        width = self.step_attn.shape[-1]
+        self.rows_hidden = torch.zeros(1, max_rows, self.lm.config.hidden_size, dtype=dtype, device=dev)
+        self.rows_token = torch.zeros(1, max_rows, dtype=torch.long, device=dev)
+        # warm-up writes K/V at these positions (and captures attention over start 0): at
+        # construction no head row is live, so rows 0..m-1 are free to scribble on
+        self.rows_pos = self._arange[:max_rows].clone()
+        self.rows_attn = torch.zeros(1, max_rows, width, dtype=dtype, device=dev)
+        self._rows = {}
+        for m in range(1, max_rows + 1):
+            fns = self._catch_up_fns(m)
+            self._rows[m] = (fns, self._capture(*fns))
+
+    def _catch_up_fns(self, m: int):
+        """(pre, attend, post) for m rows; beyond the weights, every tensor they read or write
+        that outlives a call is a static buffer (the graphs' addresses) or the head's K/V cache."""
+        hidden, tokens = self.rows_hidden[:, :m], self.rows_token[:, :m]
+        positions, attn_out = self.rows_pos[:m], self.rows_attn[:, :m]
+        ws = {}
+
+        def pre():
+            ws["pre"] = self._pre(hidden, tokens, positions)
+
+        def attend(start):
+            mask = self._causal_mask(positions, start + m)
+            attn_out.copy_(self._attend(ws["pre"][1], start + m, mask))
+
+        def post():
+            x, _, gate = ws["pre"]
+            self._emit(self._post(x, attn_out, gate)[:, -1:])
+
+        return pre, attend, post
+
+    def _catch_up(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """Head rows at positions start..start+m-1 (as ``forward_rows``), leaving the last row's
+        output and draft in (in_hidden, in_token): graphed for m <= max_rows, else eager."""
+        m = tokens.shape[-1]
+        if start + m > self.capacity:
+            raise ValueError(f"drafter capacity {self.capacity} exceeded")
+        if m not in self._rows:
+            self._emit(self.forward_rows(hidden, tokens, start)[:, -1:])
+            return
+        self.rows_hidden[:, :m].copy_(hidden)
+        self.rows_token[:, :m].copy_(tokens.view(1, m))
+        self.rows_pos[:m].copy_(self._arange[start:start + m])
+        fns, graphs = self._rows[m]
+        self._run(fns, graphs, start)
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
@@ -182,16 +272,13 @@ class MTPDrafter:
         tokens (the last of which is the round's first draft input), then chain ``depth`` drafts.
         Returns the draft tokens as [1,1] device tensors."""
         start = self.filled
-        out = self.forward_rows(pending_hidden, pending_tokens, start)
+        self._catch_up(pending_hidden, pending_tokens, start)
         pos = start + pending_tokens.shape[-1]
         self.filled = pos  # every pending row had true inputs; the chained rows after it do not
-        drafts = [self.draft_token(out[:, -1:]).view(1, 1)]
-        if depth > 1:
-            self.in_hidden.copy_(out[:, -1:])
-            self.in_token.copy_(drafts[0])
-            for _ in range(depth - 1):
-                drafts.append(self._chained_step(pos))
-                pos += 1
+        drafts = [self.in_token.clone()]
+        for _ in range(depth - 1):
+            drafts.append(self._chained_step(pos))
+            pos += 1
         return drafts
 
 

@@ -93,7 +93,9 @@ class SpecDecoder:
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
         path = self.shortlist_source()
         ids = load_shortlist(path) if path else None
-        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head)
+        # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
+        # after plain steps, run eagerly
+        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1)
 
     def shortlist_source(self) -> str | None:
         """The ``shortlist`` argument, else the trained head's, else the checkpoint's, else none."""

@@ -1,0 +1,70 @@
+"""The drafter's catch-up over static buffers (CUDA graphs on the GPU, the same functions eagerly
+here) drafts exactly what a plain ``forward_rows`` catch-up drafts (CPU, tiny).
+
+The reference builds every row, catch-up and chained, with ``forward_rows``; the drafter under test
+copies the pending rows into its per-row-count static buffers and runs its pre/attention/post split
+(or falls back to ``forward_rows`` past ``max_rows``). Same ops on the CPU, so the same bits.
+"""
+import pytest
+import torch
+
+from decoders.drafter import MTPDrafter
+
+# (pending rows m, depth) per round: every m up to 8, repeats, and catch-ups past max_rows
+ROUNDS = [(1, 1), (3, 4), (8, 2), (2, 6), (5, 1), (1, 3), (11, 3), (7, 7), (4, 2), (6, 5), (1, 6), (2, 1)]
+
+
+@torch.inference_mode()
+def reference_draft(dr: MTPDrafter, hidden: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[int]:
+    """The straightforward catch-up: every head row through ``forward_rows``."""
+    start = dr.filled
+    out = dr.forward_rows(hidden, tokens, start)[:, -1:]
+    pos = dr.filled = start + tokens.shape[-1]
+    drafts = [dr.draft_token(out).view(1, 1)]
+    for _ in range(depth - 1):
+        out = dr.forward_rows(out, drafts[-1], pos)
+        drafts.append(dr.draft_token(out).view(1, 1))
+        pos += 1
+    return [int(d) for d in drafts]
+
+
+@pytest.mark.parametrize("max_rows", [8, 3])
+def test_catch_up_drafts_equal_forward_rows_reference(tiny, max_rows):
+    cap = 128
+    dr, ref = MTPDrafter(tiny, cap, max_rows=max_rows), MTPDrafter(tiny, cap, max_rows=max_rows)
+    assert sorted(dr._rows) == list(range(1, max_rows + 1))
+    g = torch.Generator().manual_seed(max_rows)
+    tokens = torch.randint(tiny.vocab_size, (1, cap), generator=g)
+    hidden = torch.randn(1, cap, tiny.backbone.config.hidden_size, generator=g).to(dr.keys.dtype)
+    prompt = 10
+    for d in (dr, ref):
+        d.prefill(hidden[:, :prompt], tokens[0, :prompt].tolist())
+    pos, seen = prompt - 1, set()
+    for m, depth in ROUNDS:
+        rows_h, rows_t = hidden[:, pos:pos + m], tokens[:, pos + 1:pos + 1 + m]  # (h_p, t_{p+1})
+        got = [int(d) for d in dr.draft(rows_h, rows_t, depth)]
+        assert got == reference_draft(ref, rows_h, rows_t, depth), (m, depth)
+        assert dr.filled == ref.filled == pos + m
+        # every head row written so far, the chained ones included, is bit-identical
+        assert torch.equal(dr.keys, ref.keys) and torch.equal(dr.values, ref.values)
+        pos += m
+        seen.update(got)
+    assert len(seen) > 3  # the drafts really vary with the inputs
+
+
+def test_catch_up_checks_capacity(tiny):
+    size = tiny.backbone.config.hidden_size
+    dr = MTPDrafter(tiny, 12, max_rows=4)
+    dr.prefill(torch.zeros(1, 10, size, dtype=dr.keys.dtype), list(range(10)))
+    for m in (4, 5):  # graphed and eager: rows 9..9+m-1 do not fit in 12
+        with pytest.raises(ValueError, match="capacity"):
+            dr.draft(torch.zeros(1, m, size, dtype=dr.keys.dtype), torch.zeros(1, m, dtype=torch.long), 1)
+    assert dr.filled == 9
+
+
+def test_spec_sizes_catch_up_to_its_window(tiny):
+    from decoders.spec import SpecDecoder
+
+    dec = SpecDecoder(max_depth=3)
+    dec.prepare(tiny)
+    assert sorted(dec.drafter._rows) == [1, 2, 3, 4]  # accepted rows + 1 <= max_depth + 1
