@@ -100,7 +100,8 @@ def list_cmd():
               help="Built-in model name (small: trained, the default; tiny: random, for tests; synthetic-9b: random, 9B-shaped, GPU) or a Qwen3.5 checkpoint directory.")
 @click.option("--prompts", "prompts_spec", default=None, metavar="PROMPTS",
               help="Built-in prompt set (dev, stdlib-heldout, stdlib-dev, stdlib-train, random-512, "
-                   "random-512-offline; `harness list` describes them) or a jsonl file of {id, text|token_ids}. "
+                   "random-512-offline; `harness list` describes them; the stdlib-* sets take a count as "
+                   "NAME:N, e.g. stdlib-train:2048) or a jsonl file of {id, text|token_ids}. "
                    "Default: stdlib-heldout for small, dev for other models with a tokenizer, random-512 otherwise.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="New tokens per decode (stops earlier at EOS). Default: 64 on CPU, 512 on GPU.")

@@ -7,9 +7,12 @@ Built-in sets:
   stdlib-train / stdlib-dev / stdlib-heldout
               snippets (~400 characters from a line start) of the running Python's standard library,
               from one split of fixtures/corpus.py (the split the built-in `small` model was trained
-              with): 512 / 32 / 10 prompts. stdlib-train feeds `heads train`; stdlib-heldout is for
-              measurement only, never for a choice. Which files exist depends on the Python version
-              (the header's sha256 covers the prompts' text)
+              with): 512 / 32 / 10 prompts by default; NAME:N (e.g. stdlib-train:2048, any N >= 1)
+              cuts N snippets instead: snippet k comes from file k mod (number of files) at a line
+              start hashed from (path, k), so the first 512 of stdlib-train:N are stdlib-train and a
+              larger N adds new snippets (several per file). stdlib-train feeds `heads train`;
+              stdlib-heldout is for measurement only, never for a choice. Which files exist depends
+              on the Python version (the header's sha256 covers the prompts' text)
   random-512-offline  64 other prompts of 512 random ids (another seed): for building offline
               artifacts (draft shortlists, head training data) apart from the benchmark prompts
 """
@@ -30,10 +33,13 @@ BUILTIN_PROMPTS = {
     "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
     "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
                           "for building shortlists and head data apart from the benchmark prompts",
-    "stdlib-train": "512 snippets of the Python stdlib's train split (fixtures/corpus.py), for heads train",
-    "stdlib-dev": "32 snippets of the Python stdlib's dev split",
-    "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only",
+    "stdlib-train": "512 snippets of the Python stdlib's train split (fixtures/corpus.py), for heads train; "
+                    "stdlib-train:N cuts N (any N >= 1, e.g. stdlib-train:2048)",
+    "stdlib-dev": "32 snippets of the Python stdlib's dev split (stdlib-dev:N for N)",
+    "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only "
+                      "(stdlib-heldout:N for N)",
 }
+# name -> (corpus split, default count); NAME:N asks for N snippets
 CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
 SNIPPET_CHARS = 400
 # name -> (count, seed, id prefix)
@@ -62,6 +68,25 @@ def corpus_prompts(split: str, count: int, chars: int = SNIPPET_CHARS) -> list[d
         start = f.text.rfind("\n", 0, h % (len(f.text) - chars)) + 1
         out.append({"id": f"{split}-{k}:{f.path}", "text": f.text[start:start + chars]})
     return out
+
+
+def parse_corpus_spec(spec: str) -> tuple[str, int] | None:
+    """``(split, count)`` for a corpus set given as ``NAME`` or ``NAME:N`` (N an integer >= 1); None
+    when ``spec`` names no corpus set (another built-in set or a file). A bad count, or a count
+    given to a set that takes none, is a UserError."""
+    name, sep, count = spec.partition(":")
+    if name in CORPUS_SETS:
+        split, default = CORPUS_SETS[name]
+        if not sep:
+            return split, default
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
+            raise UserError(f"prompt set {spec!r}: the count after {name + ':'!r} must be an integer >= 1 "
+                            f"(e.g. {name}:2048)")
+        return split, int(count)
+    if sep and (name in RANDOM_SETS or name == "dev") and not Path(spec).is_file():
+        raise UserError(f"prompt set {name!r} takes no count (only the corpus sets "
+                        f"{', '.join(CORPUS_SETS)} do, as NAME:N); use --limit to take fewer prompts")
+    return None
 
 
 def default_prompt_set(model) -> str:
@@ -100,8 +125,9 @@ def parse_jsonl(path: Path) -> list[dict]:
 def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[list[Prompt], dict]:
     """Resolve a prompt set against a model. Returns the prompts and a description for the header."""
     spec = spec or default_prompt_set(model)
-    if spec in CORPUS_SETS:
-        entries = list(enumerate(corpus_prompts(*CORPUS_SETS[spec]), start=1))
+    corpus = parse_corpus_spec(spec)
+    if corpus is not None:
+        entries = list(enumerate(corpus_prompts(*corpus), start=1))
         source = f"builtin:{spec}"
         digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
     elif spec in RANDOM_SETS:
@@ -111,6 +137,9 @@ def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[lis
         digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
     else:
         path = DEV_FILE if spec == "dev" else Path(spec)
+        if not path.is_file():
+            raise UserError(f"prompt file {str(path)!r} not found, and {spec!r} is not a built-in prompt set "
+                            f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
         entries = parse_jsonl(path)
         source = "builtin:dev" if spec == "dev" else str(path)
         digest_src = path.read_bytes()

@@ -2,14 +2,21 @@
 
 Pipeline (``heads train``, heads/cli.py):
 
- 1. generate: greedy continuations of every prompt with ``FastSerialDecoder`` (the exact serial
-    stream spec verifies against); tokens and seconds are reported;
- 2. split: prompts are ordered by sha256 of their id and cut into held-out (~20 %), dev (~10 %,
-    at least 1 each) and train (the rest); the three never overlap. Train is trained on; dev
-    loss (the head's CE on dev streams, never training loss) drives early stopping; held-out
-    mean accepted length selects the checkpoint and gives the before/after report. Because the
-    same held-out prompts select and report, the "after" figure carries a (small) selection bias;
-    dev is kept out of it so that stopping is independent of the reported number;
+ 1. split: prompts are ordered by sha256 of their id and cut into held-out (~20 %), dev (~10 %,
+    at least 1 each; ``max_heldout`` / ``max_dev`` cap them) and train (the rest); the three never
+    overlap. Train is trained on; dev loss (the head's CE on dev streams, never training loss)
+    drives early stopping; held-out mean accepted length selects the checkpoint and gives the
+    before/after report. Because the same held-out prompts select and report, the "after" figure
+    carries a (small) selection bias; dev is kept out of it so that stopping is independent of the
+    reported number;
+ 2. generate: greedy continuations. Dev and held-out: one prompt at a time with
+    ``FastSerialDecoder``, the exact serial stream spec verifies against (held-out acceptance is
+    measured against it). Train: with ``gen_batch`` > 1 (the default, 32), ``generate_batched``:
+    plain HF forwards over a batch of equal-length rows, each batch's prompts LEFT-TRUNCATED to its
+    shortest (the train examples then use the shortened prompts; the report records the lengths),
+    and batched greedy may differ from serial greedy at near-ties (more often with ``gen_dtype``
+    float32): acceptable for training data only; ``gen_batch`` 1 generates train exactly too.
+    Tokens, seconds and tokens/s are reported per split;
  3. data: one no-grad backbone forward per prompt+stream gives the post-norm hidden states h_t;
     head row t = (h_t, token t+1) at RoPE position t, causal over rows 0..t (``MTPHead.forward``
     with its causal mask), CE of the frozen shared ``lm_head`` on it against token t+2, over the
@@ -50,9 +57,12 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- splits
 
 
-def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.1) -> dict:
+def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.1,
+                  max_heldout: int | None = None, max_dev: int | None = None) -> dict:
     """{'train', 'dev', 'heldout'}: disjoint lists of prompts, by sha256 of the prompt id (stable
-    across runs and orders of the file). Needs at least 3 prompts."""
+    across runs and orders of the file). Needs at least 3 prompts. ``max_heldout`` / ``max_dev``
+    cap those splits (their streams are generated exactly, one prompt at a time: the costly part
+    of a large set); the prompts they leave go to train."""
     from harness.errors import UserError
 
     n = len(prompts)
@@ -61,6 +71,10 @@ def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.
     order = sorted(prompts, key=lambda p: hashlib.sha256(p.id.encode()).hexdigest())
     n_held = max(1, round(heldout_frac * n))
     n_dev = max(1, round(dev_frac * n))
+    if max_heldout is not None:
+        n_held = min(n_held, max(1, max_heldout))
+    if max_dev is not None:
+        n_dev = min(n_dev, max(1, max_dev))
     n_held = min(n_held, n - 2)
     n_dev = min(n_dev, n - n_held - 1)
     return {"heldout": order[:n_held], "dev": order[n_held:n_held + n_dev], "train": order[n_held + n_dev:]}
@@ -69,22 +83,145 @@ def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.
 # --------------------------------------------------------------------------- generation
 
 
-def generate(model, prompts: list, max_new_tokens: int) -> tuple[list[list[int]], dict]:
-    """Greedy continuations with FastSerialDecoder, and their cost."""
+def _cost(prompts: int, tokens: int, seconds: float, max_new_tokens: int, decoder: str) -> dict:
+    return {"prompts": prompts, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "max_new_tokens": max_new_tokens, "decoder": decoder}
+
+
+def generate(model, prompts: list, max_new_tokens: int, label: str = "", dec=None) -> tuple[list[list[int]], dict]:
+    """Greedy continuations with FastSerialDecoder (exact: the stream spec verifies against), one
+    prompt at a time, and their cost. ``dec``: a prepared FastSerialDecoder to reuse."""
     from decoders.fast_serial import FastSerialDecoder
 
-    dec = FastSerialDecoder()
-    dec.prepare(model)
+    if dec is None:
+        dec = FastSerialDecoder()
+        dec.prepare(model)
     streams, tokens = [], 0
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         streams.append(list(dec.decode(p.token_ids, max_new_tokens).tokens))
         tokens += len(streams[-1])
-        log(f"generated {i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+        log(f"generated {label}{i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
     seconds = time.perf_counter() - t0
-    return streams, {"prompts": len(prompts), "tokens": tokens, "seconds": seconds,
-                     "tokens_per_s": tokens / seconds if seconds > 0 else None,
-                     "max_new_tokens": max_new_tokens, "decoder": FastSerialDecoder.name}
+    return streams, _cost(len(prompts), tokens, seconds, max_new_tokens, FastSerialDecoder.name)
+
+
+def equal_length_batches(prompts: list, batch: int) -> list[list]:
+    """Prompts sorted by (token length, id) and cut into groups of ``batch``; every prompt of a group
+    is left-truncated to the group's shortest (its last tokens kept), so a group needs no padding.
+    Returns the groups of (possibly shortened) ``Prompt`` copies; ids are kept."""
+    from harness.prompts import Prompt
+
+    order = sorted(prompts, key=lambda p: (len(p.token_ids), p.id))
+    groups = []
+    for i in range(0, len(order), batch):
+        group = order[i:i + batch]
+        m = len(group[0].token_ids)
+        groups.append([p if len(p.token_ids) == m else Prompt(p.id, p.token_ids[-m:]) for p in group])
+    return groups
+
+
+@torch.inference_mode()
+def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32, label: str = "",
+                     dtype: torch.dtype | None = None) -> tuple[list, list[list[int]], dict]:
+    """Greedy continuations for TRAINING data only, ``batch`` sequences per forward.
+
+    Plain HF forwards over a ``DynamicCache`` (prefill of the whole group, then one token per row
+    per forward, ``argmax``), no padding and no attention mask: the prompts are grouped by
+    ``equal_length_batches``, so every train prompt of a group is LEFT-TRUNCATED to the group's
+    shortest prompt and its continuation is the continuation of that shortened prompt. The shortened
+    prompts are returned (and must be used as the examples' context); the report records the
+    lengths. A row that emits an EOS keeps its tokens up to and including the EOS and leaves the
+    batch (its rows are dropped from the cache); the others go on.
+
+    NOT EXACT: a batched forward reduces in another order than the serial one, so at near-ties of
+    the logits (bf16 especially) a batched greedy stream may differ from the serial greedy stream
+    of the same prompt. That is acceptable for the head's training data (any fluent continuation
+    of the backbone teaches it); it is never used for the dev or held-out splits, whose streams
+    must be the exact greedy stream spec verifies against (``generate``).
+
+    ``dtype`` (e.g. ``torch.float32``): generate with a copy of the backbone in that dtype instead
+    of the backbone itself (on a CPU, bf16 matmuls and the bf16 depthwise conv are several times
+    slower than fp32); its greedy stream then differs from the bf16 backbone's wherever bf16
+    rounding moves the argmax, not only at batching near-ties. The backbone is never modified.
+
+    Returns (shortened prompts, streams, cost), both lists in the order of ``prompts``."""
+    from transformers import DynamicCache
+
+    lm, dev = model.backbone, model.device
+    if dtype is not None and dtype != lm.dtype:
+        lm = copy.deepcopy(lm).to(dtype)
+    eos = set(model.eos_token_ids)
+    by_id, n_done, tokens = {}, 0, 0
+    groups = equal_length_batches(prompts, batch)
+    t0 = time.perf_counter()
+    for group in groups:
+        cache = DynamicCache(config=lm.config)
+        ids = torch.tensor([p.token_ids for p in group], device=dev)
+        out = lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        alive = list(range(len(group)))  # the group's rows still in the batch, in cache order
+        toks: list[list[int]] = [[] for _ in group]
+        while True:
+            nxt = out.logits[:, -1].argmax(-1)
+            keep = []
+            for r, (g, t) in enumerate(zip(alive, nxt.tolist())):
+                toks[g].append(t)
+                if t not in eos and len(toks[g]) < max_new_tokens:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(alive):
+                sel = torch.tensor(keep, device=dev)
+                cache.reorder_cache(sel)  # every layer: attention K/V, conv and recurrent states
+                nxt = nxt.index_select(0, sel)
+                alive = [alive[r] for r in keep]
+            out = lm(input_ids=nxt.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for p, s in zip(group, toks):
+            by_id[p.id] = (p, s)
+            tokens += len(s)
+        n_done += len(group)
+        log(f"generated {label}{n_done}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+    seconds = time.perf_counter() - t0
+    used = [by_id[p.id][0] for p in prompts]
+    streams = [by_id[p.id][1] for p in prompts]
+    cost = _cost(len(prompts), tokens, seconds, max_new_tokens, "hf-batched")
+    orig = [len(p.token_ids) for p in prompts]
+    kept = [len(p.token_ids) for p in used]
+    cost.update({
+        "batch": batch, "batches": len(groups), "exact": False, "dtype": str(lm.dtype).removeprefix("torch."),
+        "note": "plain HF forwards over a DynamicCache, batch rows of equal length: each batch's prompts "
+                "left-truncated to its shortest; batched greedy may differ from serial greedy at near-ties "
+                "(training data only; dev and held-out are generated exactly)",
+        "prompt_tokens": {"original": sum(orig), "used": sum(kept),
+                          "truncated_prompts": sum(a != b for a, b in zip(orig, kept)),
+                          "max_cut": max(a - b for a, b in zip(orig, kept)) if orig else 0},
+        "truncated": {p.id: [a, b] for p, a, b in zip(prompts, orig, kept) if a != b},
+    })
+    return used, streams, cost
+
+
+def generate_splits(model, splits: dict, max_new_tokens: int, gen_batch: int = 32,
+                    gen_dtype: torch.dtype | None = None) -> tuple[dict, dict, dict]:
+    """Continuations of every split: train batched (``generate_batched``) when ``gen_batch`` > 1,
+    dev and held-out always by the exact ``generate``. Returns (splits with the train prompts as
+    actually used, streams per split, cost: totals plus one entry per split)."""
+    from decoders.fast_serial import FastSerialDecoder
+
+    used, streams, cost = dict(splits), {}, {}
+    dec = FastSerialDecoder()
+    dec.prepare(model)
+    for k in ("heldout", "dev", "train"):
+        if k == "train" and gen_batch > 1:
+            used[k], streams[k], cost[k] = generate_batched(model, splits[k], max_new_tokens, gen_batch, "train ",
+                                                            gen_dtype)
+        else:
+            streams[k], cost[k] = generate(model, splits[k], max_new_tokens, k + " ", dec)
+    total = _cost(sum(c["prompts"] for c in cost.values()), sum(c["tokens"] for c in cost.values()),
+                  sum(c["seconds"] for c in cost.values()), max_new_tokens,
+                  "hf-batched (train) + fast-serial (dev, heldout)" if gen_batch > 1 else "fast-serial")
+    total.update(cost)
+    return used, streams, total
 
 
 def build_shortlist(model, prompts: list, streams: list, max_new_tokens: int, size: int) -> dict:
@@ -207,25 +344,32 @@ def head_state(head, dtype) -> dict:
 
 def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200, lr: float = 3e-4,
                eval_every: int = 50, depth: int = 4, batch: int = 4, patience: int = 3, seed: int = 0,
-               shortlist_size: int = 32768) -> dict:
+               shortlist_size: int = 32768, gen_batch: int = 32, gen_dtype: torch.dtype | None = None,
+               max_heldout: int | None = None, max_dev: int | None = None) -> dict:
     """The whole pipeline short of saving. Returns a dict with 'report' (JSON-able), 'state' (the
     selected head's state dict in the model's dtype, or None if no trained checkpoint was
-    evaluated), 'improved' and 'shortlist'."""
+    evaluated), 'improved' and 'shortlist'. ``gen_batch`` > 1 generates the train split batched
+    (``generate_batched``: shortened prompts, not exact; ``gen_dtype`` a dtype for it other than the
+    model's); dev and held-out are always exact. ``max_heldout`` / ``max_dev`` cap those splits."""
     from harness.errors import UserError
 
     if model.mtp is None:
         raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
     if not prompts:
         raise UserError("the prompt set is empty")
-    if steps < 1 or eval_every < 1 or depth < 1 or batch < 1 or max_new_tokens < 2:
-        raise UserError("--steps, --eval-every, --depth and --batch must be >= 1, and -n >= 2")
+    if steps < 1 or eval_every < 1 or depth < 1 or batch < 1 or gen_batch < 1 or max_new_tokens < 2:
+        raise UserError("--steps, --eval-every, --depth, --batch and --gen-batch must be >= 1, and -n >= 2")
+    if (max_heldout is not None and max_heldout < 1) or (max_dev is not None and max_dev < 1):
+        raise UserError("--max-heldout and --max-dev must be >= 1")
     dtype = model.backbone.lm_head.weight.dtype
-    splits = split_prompts(prompts)
+    splits = split_prompts(prompts, max_heldout=max_heldout, max_dev=max_dev)
     log("splits: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
 
-    streams, gen_cost = generate(model, prompts, max_new_tokens)
-    by_id = {p.id: s for p, s in zip(prompts, streams)}
-    S = {k: [by_id[p.id] for p in v] for k, v in splits.items()}
+    splits, S, gen_cost = generate_splits(model, splits, max_new_tokens, gen_batch, gen_dtype)
+    for k in ("train", "dev", "heldout"):
+        g = gen_cost[k]
+        log(f"generation {k}: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['decoder']}, "
+            f"{g['tokens_per_s'] or 0:.1f} tokens/s)")
 
     log("building the draft shortlist (train + dev generations)")
     sl_prompts = splits["train"] + splits["dev"]
@@ -301,6 +445,8 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
         "model": model.identity,
         "depth": depth,
         "splits": {k: [p.id for p in v] for k, v in splits.items()},
+        "split_rule": {"by": "sha256 of the prompt id", "heldout_frac": 0.2, "dev_frac": 0.1,
+                       "max_heldout": max_heldout, "max_dev": max_dev},
         "generation": gen_cost,
         "hidden_states_seconds": hidden_s,
         "training": {"steps_requested": steps, "steps_run": step, "lr": lr, "batch": batch,

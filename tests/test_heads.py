@@ -148,6 +148,11 @@ def test_clear_errors(tmp_path, capsys):
     assert "--steps" in _err(capsys)[0]
     assert not (tmp_path / "o3").exists()
 
+    assert main(["train", *ARGS, "--gen-batch", "0", "--out", str(tmp_path / "o4")]) == 2
+    assert "--gen-batch" in _err(capsys)[0]
+    assert main(["train", *ARGS, "--max-heldout", "0", "--out", str(tmp_path / "o5")]) == 2
+    assert "--max-heldout" in _err(capsys)[0]
+
 
 def test_model_without_mtp_head(tmp_path, capsys):
     import shutil
@@ -205,3 +210,126 @@ def test_spec_loads_a_trained_head_by_decoder_arg(trained, tmp_path):
                                             "--out", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "no such head file" in bad.output and "Traceback" not in bad.output
     assert not (tmp_path / "bad" / "stream.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- generation for more data
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", "cpu")
+
+
+def test_pipeline_generates_train_batched_and_dev_heldout_exactly(trained):
+    g = trained[2]["report"]["generation"]
+    assert g["train"]["decoder"] == "hf-batched" and g["train"]["exact"] is False
+    assert g["dev"]["decoder"] == g["heldout"]["decoder"] == "fast-serial"
+    for k in ("train", "dev", "heldout"):
+        assert g[k]["tokens"] > 0 and g[k]["seconds"] > 0 and g[k]["tokens_per_s"] > 0
+    assert g["tokens"] == sum(g[k]["tokens"] for k in ("train", "dev", "heldout"))
+    pt = g["train"]["prompt_tokens"]
+    assert pt["used"] <= pt["original"] and pt["truncated_prompts"] == len(g["train"]["truncated"])
+
+
+def test_batched_generation_lengths_and_equal_length_groups(tiny):
+    prompts, _ = load_prompts("dev", tiny)
+    used, streams, cost = T.generate_batched(tiny, prompts, 6, batch=4)
+    assert [p.id for p in used] == [p.id for p in prompts] and len(streams) == len(prompts)
+    eos = set(tiny.eos_token_ids)
+    for p, u, s in zip(prompts, used, streams):
+        assert p.token_ids[-len(u.token_ids):] == u.token_ids  # left-truncated: a suffix of the prompt
+        assert 1 <= len(s) <= 6 and (len(s) == 6 or s[-1] in eos) and not eos & set(s[:-1])
+    groups = T.equal_length_batches(prompts, 4)
+    assert [len(g) for g in groups] == [4, 4, 2]
+    assert all(len({len(p.token_ids) for p in g}) == 1 for g in groups)
+    lens = [len(g[0].token_ids) for g in groups]
+    assert lens == sorted(lens) and lens[0] == min(len(p.token_ids) for p in prompts)
+    assert cost["decoder"] == "hf-batched" and cost["batches"] == 3 and cost["tokens"] == sum(map(len, streams))
+    assert cost["prompt_tokens"]["used"] == sum(len(u.token_ids) for u in used)
+    for pid, (a, b) in cost["truncated"].items():
+        assert a > b
+    # a batch of one row is plain greedy on the untruncated prompt: SerialDecoder's stream
+    from decoders.serial import SerialDecoder
+
+    ser = SerialDecoder()
+    ser.prepare(tiny)
+    one_used, one, _ = T.generate_batched(tiny, prompts[:1], 6, batch=1)
+    assert one_used[0].token_ids == prompts[0].token_ids
+    assert one[0] == ser.decode(prompts[0].token_ids, 6).tokens
+    # --gen-dtype float32: a float32 copy generates; the backbone itself stays as it was
+    before = {k: v.clone() for k, v in tiny.backbone.state_dict().items()}
+    _, s32, c32 = T.generate_batched(tiny, prompts[:4], 6, batch=4, dtype=torch.float32)
+    assert c32["dtype"] == "float32" and cost["dtype"] == "bfloat16" and all(1 <= len(s) <= 6 for s in s32)
+    assert all(torch.equal(v, before[k]) for k, v in tiny.backbone.state_dict().items())
+
+
+def test_batched_generation_stops_rows_at_eos(tiny):
+    """Make a token row 0 emits at step 3 an EOS: every row stops right after its first occurrence
+    (keeping it) and leaves the batch; the rows without it go on to -n tokens, unchanged."""
+    prompts, _ = load_prompts("dev", tiny, limit=4)
+    n = 8
+    _, base, _ = T.generate_batched(tiny, prompts, n, batch=4)
+    tok = base[0][3]
+    first = [s.index(tok) if tok in s else None for s in base]
+    assert any(i is None or i > first[0] for i in first[1:])  # some row outlives row 0
+    _, got, cost = T.generate_batched(dataclasses.replace(tiny, eos_token_ids=(tok,)), prompts, n, batch=4)
+    assert got == [b if i is None else b[: i + 1] for b, i in zip(base, first)]
+    assert got[0][-1] == tok and len(got[0]) <= 4 and max(map(len, got)) > len(got[0])
+    assert cost["tokens"] == sum(map(len, got))
+
+
+def test_generate_splits_dev_and_heldout_are_fast_serial(tiny):
+    from decoders.fast_serial import FastSerialDecoder
+
+    prompts, _ = load_prompts("dev", tiny, limit=6)
+    splits = T.split_prompts(prompts)
+    used, streams, cost = T.generate_splits(tiny, splits, 5, gen_batch=4)
+    dec = FastSerialDecoder()
+    dec.prepare(tiny)
+    for k in ("dev", "heldout"):
+        assert used[k] == splits[k]
+        assert streams[k] == [dec.decode(p.token_ids, 5).tokens for p in splits[k]]
+        assert cost[k]["decoder"] == "fast-serial"
+    assert cost["train"]["decoder"] == "hf-batched" and len(streams["train"]) == len(splits["train"])
+    # --gen-batch 1: the train split exact too, on its full prompts
+    used1, streams1, cost1 = T.generate_splits(tiny, splits, 5, gen_batch=1)
+    assert used1["train"] == splits["train"] and cost1["train"]["decoder"] == "fast-serial"
+    assert streams1["train"] == [dec.decode(p.token_ids, 5).tokens for p in splits["train"]]
+
+
+def test_split_caps():
+    from types import SimpleNamespace
+
+    ps = [SimpleNamespace(id=f"p{i}") for i in range(100)]
+    s = T.split_prompts(ps)
+    assert [len(s[k]) for k in ("heldout", "dev", "train")] == [20, 10, 70]
+    c = T.split_prompts(ps, max_heldout=7, max_dev=3)
+    assert [len(c[k]) for k in ("heldout", "dev", "train")] == [7, 3, 90]
+    assert [p.id for p in c["heldout"]] == [p.id for p in s["heldout"][:7]]  # a cap keeps a prefix of the order
+
+
+def test_corpus_prompt_sets_take_a_count(tiny):
+    base, info = load_prompts("stdlib-dev", tiny)
+    assert len(base) == 32 and info["source"] == "builtin:stdlib-dev"
+    few, _ = load_prompts("stdlib-dev:3", tiny)
+    more, info = load_prompts("stdlib-dev:40", tiny)
+    assert [p.id for p in few] == [p.id for p in base[:3]]
+    assert [p.token_ids for p in more[:32]] == [p.token_ids for p in base]  # a larger N extends the set
+    assert len(more) == 40 and len({p.id for p in more}) == 40 and len({p.text for p in more}) == 40
+    assert info["source"] == "builtin:stdlib-dev:40"
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("stdlib-train:0", "integer >= 1"), ("stdlib-train:-2", "integer >= 1"), ("stdlib-train:x", "integer >= 1"),
+    ("stdlib-train:", "integer >= 1"), ("stdlib-train:1.5", "integer >= 1"), ("dev:3", "takes no count"),
+    ("random-512:4", "takes no count"), ("no-such-set", "not a built-in prompt set"),
+])
+def test_bad_prompt_set_specs_are_user_errors(tiny, spec, needle, tmp_path, capsys):
+    from harness.errors import UserError
+
+    with pytest.raises(UserError, match=needle):
+        load_prompts(spec, tiny)
+    assert main(["train", "--model", "tiny", "--prompts", spec, "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1
+    assert not (tmp_path / "o").exists()
