@@ -45,6 +45,7 @@ class DepthPolicy:
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     zero_run: int = 0
+    _best: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -76,8 +77,12 @@ class DepthPolicy:
         return total
 
     def best_depth(self) -> int:
-        rates = [(self.expected_tokens(d) / self.costs.round_time(d), -d) for d in range(self.max_depth + 1)]
-        return -max(rates)[1]
+        # only update() changes the answer; caching it keeps a depth-0 round's host work (which the
+        # GPU waits for) to a few attribute reads
+        if self._best is None:
+            rates = [(self.expected_tokens(d) / self.costs.round_time(d), -d) for d in range(self.max_depth + 1)]
+            self._best = -max(rates)[1]
+        return self._best
 
     def choose(self) -> int:
         if self.fixed is not None:
@@ -96,6 +101,7 @@ class DepthPolicy:
         """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
+        self._best = None
         self.hits = [h * self.forget for h in self.hits]
         self.trials = [t * self.forget for t in self.trials]
         for k in range(min(accepted + 1, depth)):  # drafts 1..accepted+1 were observed
