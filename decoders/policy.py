@@ -11,9 +11,12 @@ a_k estimates P(draft k accepted | drafts 1..k-1 accepted) from observed drafts 
 the first rejection are never seen): hits and trials per depth, decayed by ``forget`` per round so
 that it follows the text, with ``strength`` pseudo-observations of a prior (``prior`` for depth 1,
 depth k-1's estimate for depth k) so that one round moves it quickly but not all the way. When depth 0 wins it keeps
-winning without new evidence, so every ``explore_every`` rounds at depth 0 it probes depth 1:
-at zero acceptance that costs one draft and one 2-row window per ``explore_every`` steps (~0.2% at
-64 on the 9B shape: a 2-row window costs ~1.13 steps).
+winning without new evidence, so after a run of depth-0 rounds it probes depth 1. The run starts
+at ``explore_first`` rounds and doubles after each probe up to ``explore_every``, and starts again
+short whenever drafting resumes: one unlucky miss early in a decode then costs a few plain steps,
+not ``explore_every`` of them, while at zero acceptance the probes soon come only every
+``explore_every`` steps, each one draft and one 2-row window (~0.2% at 64 on the 9B shape: a 2-row
+window costs ~1.13 steps).
 """
 from __future__ import annotations
 
@@ -40,11 +43,13 @@ class DepthPolicy:
     prior: float = 0.3
     strength: float = 2.0  # pseudo-observations behind the prior
     forget: float = 0.97  # per-round decay of old observations
-    explore_every: int = 64
+    explore_every: int = 64  # the longest run of depth-0 rounds between probes
+    explore_first: int = 8  # the first such run (it doubles after each probe)
     fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     zero_run: int = 0
+    explore_gap: int = 0  # depth-0 rounds before the next probe (0: explore_first)
     _best: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -53,6 +58,8 @@ class DepthPolicy:
         missing = [w for w in range(2, self.max_depth + 2) if w not in self.costs.verify]
         if missing:
             raise ValueError(f"no measured verify cost for window sizes {missing}")
+        if self.explore_every < 1 or self.explore_first < 1:
+            raise ValueError("explore_every and explore_first must be >= 1")
         if self.fixed is not None and not 0 <= self.fixed <= self.max_depth:
             raise ValueError(f"fixed depth {self.fixed} outside 0..{self.max_depth}")
         if not self.hits:
@@ -90,11 +97,14 @@ class DepthPolicy:
         d = self.best_depth()
         if d == 0 and self.max_depth > 0:
             self.zero_run += 1
-            if self.zero_run >= self.explore_every:
+            gap = min(self.explore_gap or self.explore_first, self.explore_every)
+            if self.zero_run >= gap:
                 self.zero_run = 0
+                self.explore_gap = min(2 * gap, self.explore_every)
                 return 1
             return 0
         self.zero_run = 0
+        self.explore_gap = 0
         return d
 
     def update(self, depth: int, accepted: int) -> None:

@@ -11,7 +11,8 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   depth          fix the depth instead of adapting (benchmarks)
   shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
                  checkpoint's draft_shortlist.json when there is one, else the full vocabulary
-  explore_every  rounds at depth 0 between probes at depth 1, default 64
+  explore_every  the most rounds at depth 0 between probes at depth 1 (the first run is 8 and
+                 doubles after each probe), default 64
   head           a directory written by `heads train` (mtp.safetensors, draft_shortlist.json):
                  draft with that head, and its shortlist unless ``shortlist`` is given; the
                  backbone and the model's own head are untouched
@@ -73,6 +74,8 @@ class SpecDecoder:
         self.head_dir = head
         self.head = None
         self.explore_every = int(explore_every)
+        if self.explore_every < 1:
+            raise ValueError("explore_every must be >= 1")
         self.capacity = int(capacity)
         self.model = self.runtime = self.drafter = self.costs = None
 

@@ -103,3 +103,37 @@ def test_only_observed_drafts_update(prior):
     assert p.trials[2:] == [0.0, 0.0] and p.hits[2:] == [0.0, 0.0]
     # unseen depths follow the deepest evidence: after a rejection at depth 2 they are lowered too
     assert after[2] == pytest.approx(after[1]) and after[3] == pytest.approx(after[1])
+
+
+# Shaped like the CPU costs `spec` measures for `small` (bench/NOTES.md 2026-12-01): a 2-row window
+# pays off only above ~30% acceptance, right at the prior, so one miss can turn drafting off.
+CPU = Costs(step=24.7e-3, draft=1.8e-3, verify={1: 25.9e-3, 2: 30.4e-3, 3: 29.8e-3, 4: 35.0e-3, 5: 36.0e-3,
+                                                6: 35.9e-3, 7: 40.4e-3})
+
+
+def test_one_early_miss_costs_a_few_plain_steps_not_explore_every():
+    p = DepthPolicy(CPU, max_depth=6, explore_every=64)
+    first = p.choose()
+    assert first > 0
+    p.update(first, 0)  # the very first draft is wrong
+    depths = [p.choose() for _ in range(p.explore_first)]
+    assert depths[:-1] == [0] * (p.explore_first - 1) and depths[-1] == 1
+    p.update(1, 1)  # the probe is accepted, and so is everything after it
+    later = drive(p, 0.9, 40)
+    assert sum(1 for d in later if d > 0) > 30
+
+
+def test_probe_gaps_double_up_to_explore_every():
+    p = DepthPolicy(GPU, max_depth=6, explore_every=64)
+    depths = drive(p, 0.0, 1000)
+    probes = [i for i, d in enumerate(depths) if d > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [g for g in gaps if g > 1]  # past the first rounds, drafted on the prior alone
+    assert gaps[:4] == [8, 16, 32, 64] and set(gaps[4:]) == {64}
+
+
+def test_explore_settings_must_be_positive():
+    with pytest.raises(ValueError):
+        DepthPolicy(GPU, max_depth=6, explore_every=0)
+    with pytest.raises(ValueError):
+        DepthPolicy(GPU, max_depth=6, explore_first=0)
