@@ -109,34 +109,32 @@ class SpecDecoder:
         return default_shortlist(self.model) if self.model is not None else None
 
     @torch.inference_mode()
-    def measure_costs(self, reps: int = 3) -> Costs:
-        """Seconds of a plain step, a head step and each verify window, on this device, now."""
+    def measure_costs(self, reps: int = 7) -> Costs:
+        """Seconds of a plain step, a head step and each verify window, on this device, now.
+        Measured in interleaved rounds (each round times every op once) and the fastest round per
+        op kept: a busy spell on a shared CPU then slows one round of every op, not every rep of
+        one op, so the ratios between ops that the policy trades on stay right."""
         rt, dr, dev = self.runtime, self.drafter, self.model.device
         prompt = list(range(3, 3 + 16))
         logits, hidden = rt.prefill(prompt)
         dr.prefill(hidden, prompt)
         tok = logits.argmax(-1).view(1, 1)
-
-        def timed(fn):
-            best = float("inf")
-            for _ in range(reps):
+        dr.in_hidden.copy_(hidden[:, -1:])
+        dr.in_token.copy_(tok)
+        blocks = {w: tok.expand(1, w).contiguous() for w in range(1, self.max_depth + 2)}
+        ops = {"step": lambda: (rt.step(tok), setattr(rt, "length", rt.length - 1)),
+               "draft": lambda: dr._chained_step(dr.filled),
+               **{w: (lambda b=b: rt.verify(b)) for w, b in blocks.items()}}
+        best = {name: float("inf") for name in ops}
+        for _ in range(reps):
+            for name, fn in ops.items():
                 sync(dev)
                 t0 = time.perf_counter()
                 fn()
                 sync(dev)
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        step = timed(lambda: (rt.step(tok), setattr(rt, "length", rt.length - 1)))
-        dr.in_hidden.copy_(hidden[:, -1:])
-        dr.in_token.copy_(tok)
-        draft = timed(lambda: dr._chained_step(dr.filled))
-        verify = {}
-        for w in range(1, self.max_depth + 2):
-            block = tok.expand(1, w).contiguous()
-            verify[w] = timed(lambda: rt.verify(block))
+                best[name] = min(best[name], time.perf_counter() - t0)
         rt.last_verify = None
-        return Costs(step=step, draft=draft, verify=verify)
+        return Costs(step=best["step"], draft=best["draft"], verify={w: best[w] for w in blocks})
 
     def config(self) -> dict:
         cfg = {"max_depth": self.max_depth, "depth": self.fixed, "head": self.head_dir,
