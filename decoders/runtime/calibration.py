@@ -73,8 +73,12 @@ def _proven_rows(max_rows: int, same_for: callable) -> int:
     return max(proven, 1)
 
 
-def _rows_equal(batched: torch.Tensor, single_rows: list[torch.Tensor], dim: int) -> bool:
-    return all(torch.equal(batched.narrow(dim, i, 1), r) for i, r in enumerate(single_rows))
+def _proven_prefix_rows(fn, xs: list, dim: int, max_rows: int) -> int:
+    """Largest m such that, for every input x, ``fn`` over x's first m tokens (along ``dim``)
+    equals, token for token, ``fn`` over each of those tokens alone."""
+    singles = [torch.cat([fn(x.narrow(dim, i, 1).contiguous()) for i in range(max_rows)], dim=dim) for x in xs]
+    return _proven_rows(max_rows, lambda m: m == 1 or all(
+        torch.equal(fn(x.narrow(dim, 0, m).contiguous()), one.narrow(dim, 0, m)) for x, one in zip(xs, singles)))
 
 
 def calibrate(model, max_rows: int = 8, seed: int = 0) -> Calibration:
@@ -155,9 +159,7 @@ def gemm_trials(out_features: int) -> int:
 def _gemm_rows(lin: torch.nn.Linear, max_rows: int, rand) -> int:
     """Largest m whose m-row products equal the 1-row products row for row, in every trial."""
     xs = [rand(1, max_rows, lin.in_features) for _ in range(gemm_trials(lin.out_features))]
-    singles = [torch.cat([lin(x[:, i:i + 1].contiguous()) for i in range(max_rows)], dim=1) for x in xs]
-    return _proven_rows(max_rows, lambda m: m == 1 or all(
-        torch.equal(lin(x[:, :m]), one[:, :m]) for x, one in zip(xs, singles)))
+    return _proven_prefix_rows(lin, xs, 1, max_rows)
 
 
 REDUCTION_TRIALS = 16
@@ -166,10 +168,7 @@ REDUCTION_TRIALS = 16
 def _reduction_rows(reduce, shape, token_dim: int, max_rows: int, rand, trials: int = REDUCTION_TRIALS) -> int:
     """Largest m such that ``reduce`` over m tokens (along token_dim of a contiguous fp32 tensor)
     equals, token for token, ``reduce`` over each token alone, in every trial."""
-    xs = [rand(*shape, dt=torch.float32) for _ in range(trials)]
-    singles = [[reduce(x.narrow(token_dim, i, 1).contiguous()) for i in range(max_rows)] for x in xs]
-    return _proven_rows(max_rows, lambda m: m == 1 or all(
-        _rows_equal(reduce(x.narrow(token_dim, 0, m).contiguous()), one[:m], token_dim) for x, one in zip(xs, singles)))
+    return _proven_prefix_rows(reduce, [rand(*shape, dt=torch.float32) for _ in range(trials)], token_dim, max_rows)
 
 
 def _elementwise_equal(model, max_rows: int, gen, trials: int = 32) -> bool:
