@@ -34,6 +34,7 @@ class Calibration:
     head_norm: int = 1  # q_norm / k_norm over head_dim, rows counted in tokens
     gated_norm: int = 1  # Gated-DeltaNet output norm over head_v_dim, rows counted in tokens
     l2norm: int = 1  # q/k L2 norm in the recurrent rule, tokens
+    readout: int = 1  # the recurrence's output sum over dk, from each row's captured state, tokens
     conv_window: bool = False  # depthwise conv over the window == per-token update rule
     kv_view_ok: bool = False  # q_len=1 SDPA over a view of the static KV buffer == over a contiguous copy
     # Transcendental elementwise ops (exp, sigmoid, softplus, silu, rsqrt) give each element the
@@ -136,6 +137,8 @@ def _calibrate(model, max_rows: int, seed: int) -> Calibration:
                                          (max_rows, hv, dv), 0, max_rows, rand)
         # l2norm's sum of squares over [1, Hv, tokens, dk]
         cal.l2norm = _reduction_rows(lambda t: t.sum(-1, keepdim=True), (1, hv, max_rows, dk), 2, max_rows, rand)
+        # the recurrence's readout (state * q).sum(-2), over the captured states [tokens, 1, Hv, dk, dv]
+        cal.readout = _reduction_rows(lambda t: t.sum(-2), (max_rows, 1, hv, dk, dv), 0, max_rows, rand)
         cal.conv_window = _conv_window_equal(gdn, max_rows, rand)
     cal.elementwise = _elementwise_equal(model, max_rows, gen)
     cal.__post_init__()

@@ -54,10 +54,23 @@ def rms_norm(norm, x: torch.Tensor, cal, batch: int | None = None) -> torch.Tens
     batch = cal.hidden_mean if batch is None else batch
     xf = x.float()
     sq = xf.pow(2)
-    var = rows(lambda t: t.mean(-1, keepdim=True), sq, 1, batch)
+    var = row_mean(sq, batch)
     out = xf * ew(torch.rsqrt, var + norm.eps, 1, cal)
     out = out * constant(norm, "scale", lambda: 1.0 + norm.weight.float())
     return out.type_as(x)
+
+
+def row_mean(sq: torch.Tensor, batch: int) -> torch.Tensor:
+    """``sq.mean(-1, keepdim=True)`` with tokens along dim 1, in chunks of ``batch`` tokens, each
+    chunk's mean written straight into its slice of the result (same kernel, no concatenation)."""
+    n = sq.shape[1]
+    if n <= batch:
+        return sq.mean(-1, keepdim=True)
+    var = sq.new_empty((*sq.shape[:-1], 1))
+    for i in range(0, n, batch):
+        m = min(batch, n - i)
+        torch.mean(sq.narrow(1, i, m).contiguous(), -1, keepdim=True, out=var.narrow(1, i, m))
+    return var
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -154,8 +167,9 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None,
     key = rows(l2norm, key, 2, cal.l2norm)
     query = query / (query.shape[-1] ** 0.5)
     state = rec_state.to(value)
-    outs = []
     decay_exp = decay.exp() if cal.elementwise or w == 1 else None
+    batched_readout = w > 1 and rec_capture is not None and cal.readout > 1
+    outs = []
     for i in range(w):
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
         # exp of this token's decay, in the serial layout unless proven layout-invariant
@@ -164,6 +178,9 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None,
         beta_t = beta[:, :, i].unsqueeze(-1)
         kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
         delta = (v_t - kv_mem) * beta_t
+        if batched_readout:  # every row's state lands in its capture slot; read out all at the end
+            state = torch.add(state, k_t.unsqueeze(-1) * delta.unsqueeze(-2), out=rec_capture[i])
+            continue
         if i == w - 1:  # the last update lands in the live state itself (HF: new tensor, then copy_)
             state = torch.add(state, k_t.unsqueeze(-1) * delta.unsqueeze(-2), out=rec_state)
         else:
@@ -171,9 +188,25 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None,
             if rec_capture is not None:  # accepting every row needs no capture of the last
                 rec_capture[i].copy_(state)
         outs.append((state * q_t.unsqueeze(-1)).sum(dim=-2))
+    if batched_readout:
+        return batched_readout_rows(query, rec_state, rec_capture[:w], cal.readout).to(out_dtype)
     # [1,Hv,w,dv] like HF's zero-filled output buffer, built without the fill and the copies
     core = outs[0].unsqueeze(2) if w == 1 else torch.stack(outs, dim=2)
     return core.transpose(1, 2).contiguous().to(out_dtype)
+
+
+def batched_readout_rows(query, rec_state, states, batch: int) -> torch.Tensor:
+    """Every row's output (state_i * q_i).sum(-2) from the captured states [w,1,Hv,dk,dv], over
+    ``batch`` rows per reduction (proven equal to the 1-row sum), as [1,w,Hv,dv]; also moves the
+    last row's state into the live state. The products are elementwise, so only the sum's row
+    count matters; the product is kept contiguous like the serial step's."""
+    w = states.shape[0]
+    rec_state.copy_(states[w - 1])
+    prod = states * query.permute(2, 0, 1, 3).unsqueeze(-1)  # [w,1,Hv,dk,1] per-row queries
+    if not prod.is_contiguous():
+        prod = prod.contiguous()
+    core = rows(lambda t: t.sum(dim=-2), prod, 0, batch)  # [w,1,Hv,dv]
+    return core.view(1, w, *core.shape[2:])
 
 
 # --------------------------------------------------------------------------- gated attention

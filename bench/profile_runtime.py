@@ -1,0 +1,153 @@
+"""Where a step, a verify window, a draft step and the prefill spend GPU time (kernel profile).
+
+    python bench/profile_runtime.py [--model synthetic-9b] [--prompt-len 512] [--calls 20] [--json FILE]
+
+For each op it reports wall ms per call (host clock around synchronised calls), the sum of GPU
+kernel time per call from torch.profiler, the kernel count per call, the share of each kernel
+class (GEMM, reduction, elementwise, copy/cat, attention, other), and the top kernels. Wall much
+above the kernel sum means the GPU idles between kernels (launch or host bound). Diagnostic only:
+speed claims come from the side-by-side benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import determinism  # noqa: E402
+
+determinism.pin()
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+CLASSES = (("attention", ("flash", "fmha", "attention", "sdpa")),
+           ("gemm", ("gemm", "gemv", "xmma", "cutlass", "sm90", "nvjet", "splitk")),
+           ("reduction", ("reduce",)),
+           ("copy/cat", ("copy", "cat", "memcpy", "memset", "index")),
+           ("elementwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def profile_op(fn, calls: int):
+    fn(), fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    wall = (time.perf_counter() - t0) / calls
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[e.name]
+            k[0] += 1
+            k[1] += e.device_time
+    per_call = {n: (c / calls, us / calls) for n, (c, us) in kernels.items()}
+    return {"wall_ms": wall * 1e3,
+            "kernel_ms": sum(us for _, us in per_call.values()) / 1e3,
+            "kernels": sum(c for c, _ in per_call.values()),
+            "classes": class_split(per_call),
+            "top": sorted(([n[:90], c, us] for n, (c, us) in per_call.items()), key=lambda r: -r[2])[:25]}
+
+
+def class_split(per_call):
+    out = defaultdict(lambda: [0.0, 0.0])
+    for name, (c, us) in per_call.items():
+        out[kernel_class(name)][0] += c
+        out[kernel_class(name)][1] += us
+    return {k: {"count": v[0], "us": v[1]} for k, v in out.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synthetic-9b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--windows", default="2,4,7")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_runtime: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from decoders.spec import SpecDecoder
+    from harness.models import load_model
+
+    model = load_model(args.model, "cuda")
+    windows = [int(w) for w in args.windows.split(",")]
+    spec = SpecDecoder(max_depth=max(windows) - 1)
+    spec.prepare(model)
+    rt, dr = spec.runtime, spec.drafter
+    print("calibration:", json.dumps(rt.cal.to_json()))
+    print("costs (ms):", {k: (round(v * 1e3, 3) if not isinstance(v, dict) else {w: round(x * 1e3, 3) for w, x in v.items()})
+                          for k, v in vars(spec.costs).items()})
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    logits, hidden = rt.prefill(prompt)
+    dr.prefill(hidden, prompt)
+    tok = logits.argmax(-1).view(1, 1)
+    dr.in_hidden.copy_(hidden[:, -1:])
+    dr.in_token.copy_(tok)
+    length = rt.length
+
+    def step():
+        rt.step(tok)
+        rt.length = length
+
+    def window(w):
+        block = tok.expand(1, w).contiguous()
+        return lambda: (rt.verify(block), setattr(rt, "last_verify", None))
+
+    def window_eager(w):
+        prog = rt.program(w, capture=True)
+        return lambda: prog._run_eager()
+
+    def prefill():
+        rt.prefill(prompt)
+
+    ops = {"step (graphed)": step, **{f"window {w} (graphed)": window(w) for w in windows},
+           f"window {max(windows)} (eager)": window_eager(max(windows)),
+           "draft step": lambda: dr._chained_step(dr.filled), f"prefill {args.prompt_len} (HF)": prefill}
+    results = {}
+    for name, fn in ops.items():
+        results[name] = profile_op(fn, args.calls if "prefill" not in name else 3)
+        r = results[name]
+        print(f"\n== {name}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels")
+        for cls, v in sorted(r["classes"].items(), key=lambda kv: -kv[1]["us"]):
+            print(f"   {cls:12s} {v['count']:7.1f} kernels {v['us'] / 1e3:8.3f} ms")
+        for n, c, us in r["top"][:15]:
+            print(f"   {us:9.1f} us {c:6.1f}x  {n}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\n| op | wall ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | attention ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        c = r["classes"]
+        get = lambda k: c.get(k, {"us": 0.0})["us"] / 1e3  # noqa: E731
+        print(f"| {name} | {r['wall_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | {get('gemm'):.3f} | "
+              f"{get('reduction'):.3f} | {get('elementwise'):.3f} | {get('copy/cat'):.3f} | {get('attention'):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
