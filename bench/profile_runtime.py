@@ -79,6 +79,7 @@ def class_split(per_call):
     return {k: {"count": v[0], "us": v[1]} for k, v in out.items()}
 
 
+@torch.inference_mode()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic-9b")
@@ -122,15 +123,26 @@ def main(argv=None) -> int:
         prog = rt.program(w, capture=True)
         return lambda: prog._run_eager()
 
-    def prefill():
+    def hf_forward():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.backbone.config)
+        model.backbone.model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache, use_cache=True)
+
+    def runtime_prefill():
         rt.prefill(prompt)
 
+    def drafter_prefill():
+        dr.prefill(hidden, prompt)
+
+    n = args.prompt_len
     ops = {"step (graphed)": step, **{f"window {w} (graphed)": window(w) for w in windows},
            f"window {max(windows)} (eager)": window_eager(max(windows)),
-           "draft step": lambda: dr._chained_step(dr.filled), f"prefill {args.prompt_len} (HF)": prefill}
+           "draft step": lambda: dr._chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
+           f"runtime prefill {n}": runtime_prefill, f"drafter prefill {n}": drafter_prefill}
     results = {}
     for name, fn in ops.items():
-        results[name] = profile_op(fn, args.calls if "prefill" not in name else 3)
+        results[name] = profile_op(fn, args.calls if "prefill" not in name and "HF" not in name else 3)
         r = results[name]
         print(f"\n== {name}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels")
         for cls, v in sorted(r["classes"].items(), key=lambda kv: -kv[1]["us"]):

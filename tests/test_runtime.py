@@ -122,6 +122,27 @@ def test_steps_bit_identical(which, forced, tiny, other):
 
 
 @pytest.mark.parametrize("which", ["tiny", "other"])
+def test_steps_with_fused_qk_l2norm_bit_identical(which, tiny, other):
+    """The step path that L2-normalises q and k as one tensor (taken where the l2norm proof covers
+    2 rows, as on an H200) against the control. The CPU's own calibration never takes it, so
+    it is forced here: elementwise ops are trivially row-invariant in 1-row steps."""
+    model = tiny if which == "tiny" else other
+    base = calibrate(model)
+    cal = Calibration(max_rows=8, gemm=dict(base.gemm), hidden_mean=base.hidden_mean, conv_window=base.conv_window,
+                      kv_view_ok=base.kv_view_ok, elementwise=True, l2norm=2, device="cpu", forced=True)
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, model.vocab_size) for _ in range(19)]
+    stream = greedy_stream(model, prompt, 24)
+    ref_logits, ref_states = serial_reference(model, prompt, stream)
+    rt = ExactRuntime(model, capacity=128, windows=(1,), cal=cal)
+    rt.prefill(prompt)
+    for k, t in enumerate(stream):
+        prog = rt.step(torch.tensor([[t]]))
+        assert torch.equal(prog.ws["logits"][:, -1], ref_logits[k + 1]), f"step {k}"
+    assert_state_equal(rt, ref_states[len(stream)])
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
 @pytest.mark.parametrize("forced", [False, True], ids=["calibrated", "row-by-row"])
 def test_random_windows_and_rollback(which, forced, tiny, other):
     model = tiny if which == "tiny" else other

@@ -125,18 +125,33 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
     # HF casts the conv output to bf16, splits it, repeats q/k heads, then converts q, k, v to fp32
     # one by one; casting once before the split gives the same values with fewer kernels
     mixed = conv.to(qkv.dtype).float().transpose(1, 2)
-    query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
-    query = query.reshape(1, w, -1, mod.head_k_dim)
-    key = key.reshape(1, w, -1, mod.head_k_dim)
-    value = value.reshape(1, w, -1, mod.head_v_dim)
+    value = mixed[..., 2 * mod.key_dim:].reshape(1, w, -1, mod.head_v_dim)
     beta = ew(torch.sigmoid, b, 1, cal)
     neg_a = constant(mod, "neg_A", lambda: -mod.A_log.float().exp())
-    g = neg_a * ew(F.softplus, a.float() + mod.dt_bias, 1, cal)
-    if mod.num_v_heads // mod.num_k_heads > 1:
-        query = query.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
-        key = key.repeat_interleave(mod.num_v_heads // mod.num_k_heads, dim=2)
-
-    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype)
+    # HF: softplus(a.float() + dt_bias) in fp32; with dt_bias kept in fp32, bf16 a + fp32 promotes
+    # a exactly inside the add: the same sum, one kernel fewer
+    dt_bias = constant(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
+    g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
+    rep = mod.num_v_heads // mod.num_k_heads
+    if 2 * w <= cal.l2norm:
+        # q and k are adjacent channels: repeat, lay out and L2-normalise them as one tensor of 2*Hv
+        # heads. Its norm reduction has the iteration shape of Hv heads over 2w tokens, proven equal
+        # to per-token results when 2w <= the l2norm proof; the rest is data movement and exact casts.
+        qk = mixed[..., :2 * mod.key_dim].reshape(1, w, -1, mod.head_k_dim)
+        if rep > 1:
+            qk = qk.repeat_interleave(rep, dim=2)
+        qk = l2norm(qk.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
+        query, key = qk[:, :mod.num_v_heads], qk[:, mod.num_v_heads:]
+        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
+                              qk_normed=True)
+    else:
+        query, key = torch.split(mixed[..., :2 * mod.key_dim], [mod.key_dim, mod.key_dim], dim=-1)
+        query = query.reshape(1, w, -1, mod.head_k_dim)
+        key = key.reshape(1, w, -1, mod.head_k_dim)
+        if rep > 1:
+            query = query.repeat_interleave(rep, dim=2)
+            key = key.repeat_interleave(rep, dim=2)
+        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype)
     core = core.reshape(-1, mod.head_v_dim)
     z = z.reshape(-1, mod.head_v_dim)
     core = gated_norm(mod, core, z, w, cal.gated_norm)
@@ -153,18 +168,20 @@ def gated_norm(mod, core, z, w: int, batch: int):
                       for i in range(0, w, batch)], dim=0)
 
 
-def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None, out_dtype=None):
+def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None, out_dtype=None,
+                   qk_normed: bool = False):
     """transformers' torch_recurrent_gated_delta_rule (q/k L2-normed in the kernel), token by token,
-    starting from ``rec_state`` and leaving the final state in it. q, k, v may already be fp32."""
-    w = query.shape[1]
-    out_dtype = out_dtype or query.dtype
-    query, key, beta, decay = [
-        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for t in (query, key, beta, g)
-    ]
+    starting from ``rec_state`` and leaving the final state in it. q, k, v may already be fp32;
+    with ``qk_normed`` q and k arrive already as [1,Hv,w,dk] fp32, contiguous and L2-normed."""
+    w = value.shape[1]
+    out_dtype = out_dtype or value.dtype
+    beta, decay = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (beta, g)]
     value = value.transpose(1, 2).to(torch.float32)  # only ever read elementwise: layout is free
-    query = rows(l2norm, query, 2, cal.l2norm)
-    key = rows(l2norm, key, 2, cal.l2norm)
+    if not qk_normed:
+        query, key = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                      for t in (query, key)]
+        query = rows(l2norm, query, 2, cal.l2norm)
+        key = rows(l2norm, key, 2, cal.l2norm)
     query = query / (query.shape[-1] ** 0.5)
     state = rec_state.to(value)
     decay_exp = decay.exp() if cal.elementwise or w == 1 else None
