@@ -98,12 +98,14 @@ def serial_sdpa(attn, query, key, value) -> torch.Tensor:
 # --------------------------------------------------------------------------- Gated-DeltaNet
 
 
-def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
+def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, deferred: bool = False):
     """Gated-DeltaNet token mixer over w rows. Updates ``conv_state`` and ``rec_state`` in place to
     the state after the last row and returns the output [1,w,H]. ``conv_cat`` ([1,C,K+w]) receives
     [conv state ++ window inputs], so the conv state after row i is ``conv_cat[..., i+1:i+1+K]``;
     with ``rec_capture`` ([>=w,1,Hv,dk,dv]) the recurrent state after row i is left in
-    ``rec_capture[i]``. Those two are what rollback restores."""
+    ``rec_capture[i]``. Those two are what rollback restores. With ``deferred`` the two final-state
+    copies (conv state from ``conv_cat``; the recurrent state from ``rec_capture[w-1]`` where the
+    readout is batched) are left to the caller, who makes them for every layer in one copy."""
     w = x.shape[1]
     qkv = linear(mod.in_proj_qkv, x, cal)
     z = linear(mod.in_proj_z, x, cal).reshape(1, w, -1, mod.head_v_dim)
@@ -114,7 +116,8 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
     k = conv_state.shape[-1]
     weight = mod.conv1d.weight.squeeze(1).unsqueeze(1)
     cat = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1, out=conv_cat).to(weight.dtype)
-    conv_state.copy_(cat[:, :, -k:])
+    if not deferred:
+        conv_state.copy_(cat[:, :, -k:])
     act = ACT2FN[mod.activation]
     if w == 1 or cal.conv_window:
         conv = F.conv1d(cat, weight, mod.conv1d.bias, padding=0, groups=mod.conv_dim)[:, :, -w:]
@@ -143,7 +146,7 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
         qk = l2norm(qk.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
         query, key = qk[:, :mod.num_v_heads], qk[:, mod.num_v_heads:]
         core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
-                              qk_normed=True)
+                              qk_normed=True, deferred=deferred)
     else:
         query, key = torch.split(mixed[..., :2 * mod.key_dim], [mod.key_dim, mod.key_dim], dim=-1)
         query = query.reshape(1, w, -1, mod.head_k_dim)
@@ -151,7 +154,8 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None):
         if rep > 1:
             query = query.repeat_interleave(rep, dim=2)
             key = key.repeat_interleave(rep, dim=2)
-        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype)
+        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
+                              deferred=deferred)
     core = core.reshape(-1, mod.head_v_dim)
     z = z.reshape(-1, mod.head_v_dim)
     core = gated_norm(mod, core, z, w, cal.gated_norm)
@@ -169,7 +173,7 @@ def gated_norm(mod, core, z, w: int, batch: int):
 
 
 def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None, out_dtype=None,
-                   qk_normed: bool = False):
+                   qk_normed: bool = False, deferred: bool = False):
     """transformers' torch_recurrent_gated_delta_rule (q/k L2-normed in the kernel), token by token,
     starting from ``rec_state`` and leaving the final state in it. q, k, v may already be fp32;
     with ``qk_normed`` q and k arrive already as [1,Hv,w,dk] fp32, contiguous and L2-normed."""
@@ -185,7 +189,7 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None,
     query = query / (query.shape[-1] ** 0.5)
     state = rec_state.to(value)
     decay_exp = decay.exp() if cal.elementwise or w == 1 else None
-    batched_readout = w > 1 and rec_capture is not None and cal.readout > 1
+    batched_readout = uses_batched_readout(w, rec_capture is not None, cal)
     outs = []
     for i in range(w):
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
@@ -206,19 +210,25 @@ def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None,
                 rec_capture[i].copy_(state)
         outs.append((state * q_t.unsqueeze(-1)).sum(dim=-2))
     if batched_readout:
-        return batched_readout_rows(query, rec_state, rec_capture[:w], cal.readout).to(out_dtype)
+        if not deferred:
+            rec_state.copy_(rec_capture[w - 1])
+        return batched_readout_rows(query, rec_capture[:w], cal.readout).to(out_dtype)
     # [1,Hv,w,dv] like HF's zero-filled output buffer, built without the fill and the copies
     core = outs[0].unsqueeze(2) if w == 1 else torch.stack(outs, dim=2)
     return core.transpose(1, 2).contiguous().to(out_dtype)
 
 
-def batched_readout_rows(query, rec_state, states, batch: int) -> torch.Tensor:
+def uses_batched_readout(w: int, capturing: bool, cal) -> bool:
+    """Whether a window's rows leave their states in the capture slots and are read out together."""
+    return w > 1 and capturing and cal.readout > 1
+
+
+def batched_readout_rows(query, states, batch: int) -> torch.Tensor:
     """Every row's output (state_i * q_i).sum(-2) from the captured states [w,1,Hv,dk,dv], over
-    ``batch`` rows per reduction (proven equal to the 1-row sum), as [1,w,Hv,dv]; also moves the
-    last row's state into the live state. The products are elementwise, so only the sum's row
-    count matters; the product is kept contiguous like the serial step's."""
+    ``batch`` rows per reduction (proven equal to the 1-row sum), as [1,w,Hv,dv]. The products
+    are elementwise, so only the sum's row count matters; the product is kept contiguous like the
+    serial step's."""
     w = states.shape[0]
-    rec_state.copy_(states[w - 1])
     prod = states * query.permute(2, 0, 1, 3).unsqueeze(-1)  # [w,1,Hv,dk,1] per-row queries
     if not prod.is_contiguous():
         prod = prod.contiguous()
@@ -243,19 +253,29 @@ def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal):
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     kbuf.index_copy_(2, positions, key)
     vbuf.index_copy_(2, positions, value)
-    q_rows = [query] if w == 1 else [query[:, :, i:i + 1].contiguous() for i in range(w)]
+    if w == 1:
+        return [query], gate
+    # each row's query as its own contiguous [1,H,1,hd] block, as the serial step has it: one
+    # copy into [w,H,hd] order, then views
+    by_row = query.transpose(1, 2).contiguous()
+    q_rows = [by_row[:, i].unsqueeze(2) for i in range(w)]
     return q_rows, gate
 
 
 def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, contiguous_kv: bool) -> None:
     """q_len=1 attention for each row, over exactly the KV length the serial step would see.
     Kept outside CUDA graphs: the length changes every token."""
+    rows_out = []
     for i, q in enumerate(q_rows):
         length = start + i + 1
         k, v = kbuf[:, :, :length], vbuf[:, :, :length]
         if contiguous_kv:
             k, v = k.contiguous(), v.contiguous()
-        out[:, i:i + 1].copy_(serial_sdpa(mod, q, k, v).reshape(1, 1, -1))
+        rows_out.append(serial_sdpa(mod, q, k, v).reshape(1, 1, -1))
+    if len(rows_out) == 1:
+        out.copy_(rows_out[0])
+    else:  # one copy into the static buffer for the whole window, not one per row
+        torch.cat(rows_out, dim=1, out=out)
 
 
 def attention_post(mod, attn_out, gate, cal):

@@ -46,6 +46,7 @@ class WindowProgram:
                 current = [partial(self._attn_post, idx)]
             else:
                 current.append(partial(self._gdn, idx))
+        current.append(self._commit_states)
         current.append(self._head)
         segments.append(("graph", current))
         return segments
@@ -63,7 +64,7 @@ class WindowProgram:
         h = L.rms_norm(layer.input_layernorm, x, self.cal)
         cap = self.state.rec_capture[idx] if self.capture_states else None
         h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal,
-                         self.conv_cat[self.state.slot[idx]], cap)
+                         self.conv_cat[self.state.slot[idx]], cap, deferred=True)
         self._mlp(layer, x + h)
 
     def _attn_pre(self, idx):
@@ -87,6 +88,16 @@ class WindowProgram:
     def _mlp(self, layer, x):
         h = L.rms_norm(layer.post_attention_layernorm, x, self.cal)
         self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal)
+
+    def _commit_states(self):
+        """The final Gated-DeltaNet states of every layer, each written in one copy rather than one
+        per layer (gdn_window defers them): nothing later in the forward reads them."""
+        st, w = self.state, self.w
+        if not st.gdn_layers:
+            return
+        st.conv_all.copy_(self.conv_cat[..., w:])
+        if L.uses_batched_readout(w, self.capture_states, self.cal):
+            st.rec_all.copy_(st.rec_capture_all[:, w - 1])
 
     def _head(self):
         lm = self.model.backbone
