@@ -308,6 +308,21 @@ def test_quality_report(smoke):
     held = {f["path"] for f in manifest["files"] if f["split"] == "heldout"}
     assert held and not held & {f["path"] for f in manifest["files"] if f["split"] == "train"}
     assert all(s["path"] in held for s in q["samples"])
+    dev_rep = q["dev_repetition"]
+    assert dev_rep["streams"] > 0 and 0.0 <= dev_rep["looping_fraction"] <= 1.0
+
+
+def test_training_knobs_reach_the_preset_and_bad_ones_are_refused(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ts, "run", lambda out, preset, *a, **k: seen.setdefault("preset", preset))
+    ts.main(["--smoke", "--out", "/nonexistent", "--device", "cpu", "--dropout", "0.2", "--weight-decay", "0.3",
+             "--max-epochs", "12"])
+    p = seen["preset"]
+    assert (p.dropout, p.weight_decay, p.max_epochs) == (0.2, 0.3, 12.0)
+    for bad in (["--dropout", "1.0"], ["--weight-decay", "-1"], ["--max-epochs", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            ts.main(["--smoke", "--out", "/nonexistent", *bad])
+        assert exc.value.code == 2
 
 
 def _reference_runs(model, prompts, streams, depth):
