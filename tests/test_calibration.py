@@ -74,3 +74,24 @@ def test_calibration_is_proven_once_per_model_and_copied(tiny):
     assert a == b and a is not b and a.gemm is not b.gemm
     a.gemm.clear()
     assert C.calibrate(tiny).gemm == b.gemm
+
+
+def test_fused_qk_norm_proof_compares_each_half_per_token():
+    """q and k normalised as one tensor of 2*Hv heads: refused (0) when the stacked statistic
+    differs from each half's 1-token one, even for a single token; bounded where it starts to."""
+    def sums_differ_for_two_halves(t):
+        out = t.sum(-1, keepdim=True)
+        if t.shape[1] == 2 * 4:  # the stacked tensor: another order for some rows
+            out = torch.where(torch.arange(out.numel()).view(out.shape) % 2 == 0,
+                              torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+        return out
+
+    def sums_differ_from_3_tokens(t):
+        out = t.sum(-1, keepdim=True)
+        if t.shape[1] == 2 * 4 and t.shape[2] >= 3:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    assert C._qk_l2norm_rows(4, 64, 8, _rand(), reduce=sums_differ_for_two_halves) == 0
+    assert C._qk_l2norm_rows(4, 64, 8, _rand(), reduce=sums_differ_from_3_tokens) == 2
+    assert C._qk_l2norm_rows(4, 64, 8, _rand()) == 8

@@ -123,13 +123,14 @@ def test_steps_bit_identical(which, forced, tiny, other):
 
 @pytest.mark.parametrize("which", ["tiny", "other"])
 def test_steps_with_fused_qk_l2norm_bit_identical(which, tiny, other):
-    """The step path that L2-normalises q and k as one tensor (taken where the l2norm proof covers
-    2 rows, as on an H200) against the control. The CPU's own calibration never takes it, so
-    it is forced here: elementwise ops are trivially row-invariant in 1-row steps."""
+    """The step path that L2-normalises q and k as one tensor (taken where the calibration proved
+    it, as on an H200) against the control. The CPU's own calibration never takes it (its rsqrt is
+    not proven size-invariant), so it is forced here."""
     model = tiny if which == "tiny" else other
     base = calibrate(model)
     cal = Calibration(max_rows=8, gemm=dict(base.gemm), hidden_mean=base.hidden_mean, conv_window=base.conv_window,
-                      kv_view_ok=base.kv_view_ok, elementwise=True, l2norm=2, device="cpu", forced=True)
+                      kv_view_ok=base.kv_view_ok, elementwise=True, l2norm=2, qk_l2norm=1, device="cpu",
+                      forced=True)
     rng = random.Random(3)
     prompt = [rng.randrange(3, model.vocab_size) for _ in range(19)]
     stream = greedy_stream(model, prompt, 24)

@@ -35,6 +35,9 @@ class Calibration:
     gated_norm: int = 1  # Gated-DeltaNet output norm over head_v_dim, rows counted in tokens
     l2norm: int = 1  # q/k L2 norm in the recurrent rule, tokens
     readout: int = 1  # the recurrence's output sum over dk, from each row's captured state, tokens
+    # q and k L2-normed as one [1, 2*Hv, tokens, dk] tensor against each alone per token; tokens,
+    # 0 = never (the fused tensor's rsqrt also sees another size, so it needs `elementwise` too)
+    qk_l2norm: int = 0
     conv_window: bool = False  # depthwise conv over the window == per-token update rule
     kv_view_ok: bool = False  # q_len=1 SDPA over a view of the static KV buffer == over a contiguous copy
     # Transcendental elementwise ops (exp, sigmoid, softplus, silu, rsqrt) give each element the
@@ -53,6 +56,7 @@ class Calibration:
     def __post_init__(self):
         if not self.elementwise:  # the norms' rsqrt then has to run row by row as well
             self.head_norm = self.gated_norm = self.l2norm = 1
+            self.qk_l2norm = 0
 
     @classmethod
     def serial_only(cls, max_rows: int = 8) -> "Calibration":
@@ -139,6 +143,7 @@ def _calibrate(model, max_rows: int, seed: int) -> Calibration:
         cal.l2norm = _reduction_rows(lambda t: t.sum(-1, keepdim=True), (1, hv, max_rows, dk), 2, max_rows, rand)
         # the recurrence's readout (state * q).sum(-2), over the captured states [tokens, 1, Hv, dk, dv]
         cal.readout = _reduction_rows(lambda t: t.sum(-2), (max_rows, 1, hv, dk, dv), 0, max_rows, rand)
+        cal.qk_l2norm = _qk_l2norm_rows(hv, dk, max_rows, rand)
         cal.conv_window = _conv_window_equal(gdn, max_rows, rand)
     cal.elementwise = _elementwise_equal(model, max_rows, gen)
     cal.__post_init__()
@@ -172,6 +177,34 @@ def _reduction_rows(reduce, shape, token_dim: int, max_rows: int, rand, trials: 
     """Largest m such that ``reduce`` over m tokens (along token_dim of a contiguous fp32 tensor)
     equals, token for token, ``reduce`` over each token alone, in every trial."""
     return _proven_prefix_rows(reduce, [rand(*shape, dt=torch.float32) for _ in range(trials)], token_dim, max_rows)
+
+
+def _sum_last(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(-1, keepdim=True)  # l2norm's statistic, as layers.l2norm computes it
+
+
+def _qk_l2norm_rows(hv: int, dk: int, max_rows: int, rand, trials: int = REDUCTION_TRIALS,
+                    reduce=_sum_last) -> int:
+    """Largest token count m for which the sum of squares over q and k stacked as one
+    [1, 2*hv, m, dk] tensor equals, for every token and each of q and k, the serial step's sum over
+    that one [1, hv, 1, dk] tensor (0 if not even for one token)."""
+    def same(m: int) -> bool:
+        for _ in range(trials):
+            qk = rand(1, 2 * hv, m, dk, dt=torch.float32)
+            whole = reduce(qk)
+            for h in (slice(0, hv), slice(hv, 2 * hv)):
+                for i in range(m):
+                    one = reduce(qk[:, h, i:i + 1].contiguous())
+                    if not torch.equal(one, whole[:, h, i:i + 1]):
+                        return False
+        return True
+
+    proven = 0
+    for m in range(1, max_rows + 1):
+        if not same(m):
+            break
+        proven = m
+    return proven
 
 
 def _elementwise_equal(model, max_rows: int, gen, trials: int = 32) -> bool:

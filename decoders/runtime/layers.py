@@ -136,10 +136,10 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, d
     dt_bias = constant(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
     g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
     rep = mod.num_v_heads // mod.num_k_heads
-    if 2 * w <= cal.l2norm:
+    if w <= cal.qk_l2norm:
         # q and k are adjacent channels: repeat, lay out and L2-normalise them as one tensor of 2*Hv
-        # heads. Its norm reduction has the iteration shape of Hv heads over 2w tokens, proven equal
-        # to per-token results when 2w <= the l2norm proof; the rest is data movement and exact casts.
+        # heads, where the calibration proved its norm statistic equal to each one's per token; the
+        # rest is data movement and exact casts.
         qk = mixed[..., :2 * mod.key_dim].reshape(1, w, -1, mod.head_k_dim)
         if rep > 1:
             qk = qk.repeat_interleave(rep, dim=2)
