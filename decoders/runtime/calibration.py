@@ -199,12 +199,7 @@ def _qk_l2norm_rows(hv: int, dk: int, max_rows: int, rand, trials: int = REDUCTI
                         return False
         return True
 
-    proven = 0
-    for m in range(1, max_rows + 1):
-        if not same(m):
-            break
-        proven = m
-    return proven
+    return _proven_rows(max_rows, same) if same(1) else 0
 
 
 def _elementwise_equal(model, max_rows: int, gen, trials: int = 32) -> bool:

@@ -136,7 +136,8 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, d
     dt_bias = constant(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
     g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
     rep = mod.num_v_heads // mod.num_k_heads
-    if w <= cal.qk_l2norm:
+    fused = w <= cal.qk_l2norm
+    if fused:
         # q and k are adjacent channels: repeat, lay out and L2-normalise them as one tensor of 2*Hv
         # heads, where the calibration proved its norm statistic equal to each one's per token; the
         # rest is data movement and exact casts.
@@ -145,17 +146,13 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, d
             qk = qk.repeat_interleave(rep, dim=2)
         qk = l2norm(qk.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
         query, key = qk[:, :mod.num_v_heads], qk[:, mod.num_v_heads:]
-        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
-                              qk_normed=True, deferred=deferred)
     else:
-        query, key = torch.split(mixed[..., :2 * mod.key_dim], [mod.key_dim, mod.key_dim], dim=-1)
-        query = query.reshape(1, w, -1, mod.head_k_dim)
-        key = key.reshape(1, w, -1, mod.head_k_dim)
+        query, key = [t.reshape(1, w, -1, mod.head_k_dim)
+                      for t in torch.split(mixed[..., :2 * mod.key_dim], [mod.key_dim, mod.key_dim], dim=-1)]
         if rep > 1:
-            query = query.repeat_interleave(rep, dim=2)
-            key = key.repeat_interleave(rep, dim=2)
-        core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
-                              deferred=deferred)
+            query, key = query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2)
+    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
+                          qk_normed=fused, deferred=deferred)
     core = core.reshape(-1, mod.head_v_dim)
     z = z.reshape(-1, mod.head_v_dim)
     core = gated_norm(mod, core, z, w, cal.gated_norm)
