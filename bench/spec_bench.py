@@ -95,6 +95,12 @@ def print_table(rows: list[dict]) -> None:
     print("\n| config | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of ratios) | "
           "peak GiB (ctl / cand) | mean acc. len | exact (audit) |")
     print("|---|---|---|---|---|---|---|---|")
+    timed = [r for r in rows if r["control_ms"] is not None]
+    if timed:  # the control's own row: its legs pooled over every configuration's run
+        ctl_ms = statistics.median(r["control_ms"] for r in timed)
+        peak = max((r["control_peak"] for r in timed if r["control_peak"] is not None), default=None)
+        print(f"| serial (control, {len(timed)} runs) | {ctl_ms:.2f} | {ctl_ms:.2f} | 1.00x | "
+              f"{'-' if base is None else f'~{1 / base:.2f}x'} | {gib(peak)} / - | - | (defines exact) |")
     for r in rows:
         if r["config"] in side and side[r["config"]] is not None:
             vs_fast = f"{side[r['config']]:.2f}x"

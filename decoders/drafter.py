@@ -6,8 +6,11 @@ recomputed with the backbone's true hidden states (the draft steps had used the 
 output) together with the next round's first draft step, in one call, so the head never drifts.
 Rows past the accepted length are simply overwritten later. Drafts need not be exact (the verify
 window decides), so every op here runs batched. On the GPU both the catch-up (one pair per row
-count up to ``max_rows``) and each chained step run as two CUDA graphs around an eager attention
-call, whose KV length changes every round.
+count up to ``max_rows``, and for 16, 32 and 64 rows) and each chained step run as two CUDA graphs
+around an eager attention call, whose KV length changes every round. A longer catch-up (after a
+run of plain steps) runs as consecutive chunks of those sizes: an eager head forward costs ~4 ms of
+host time on the H200 machine, which at zero acceptance was most of `spec`'s cost over
+`fast-serial`.
 
 Shortlist: the draft logits may be computed over a fixed, request-independent set of token ids
 (built offline from token frequencies of generated text), which cuts the head's largest GEMM;
@@ -38,8 +41,9 @@ class Unchecked:
 class MTPDrafter:
     def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8):
         """``head``: a trained draft head (``heads.load_head``) in place of the checkpoint's own.
-        ``max_rows``: the most catch-up rows a round runs as CUDA graphs; longer catch-ups (after
-        plain steps) run eagerly."""
+        ``max_rows``: every catch-up of up to this many rows (a round's accepted rows + 1) runs as
+        one CUDA graph pair; longer ones (after plain steps) run in chunks of LONG_CHUNKS rows or
+        fewer."""
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
         self.head, self.lm = head, lm
@@ -62,7 +66,7 @@ class MTPDrafter:
         # are read only by its own post graph, and no other graph replays between the two
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self._build_step()
-        self._build_catch_up(max(1, min(int(max_rows), capacity)))
+        self._build_catch_up(catch_up_sizes(int(max_rows), capacity))
 
     def nbytes(self) -> int:
         """The K/V cache, a shortlisted head weight and the graphs' static buffers (not their pool)."""
@@ -199,11 +203,12 @@ class MTPDrafter:
 
     # ------------------------------------------------------------------ the catch-up rows
 
-    def _build_catch_up(self, max_rows: int):
-        """A catch-up forward for each row count m = 1..max_rows over static buffers (m-row views
+    def _build_catch_up(self, sizes: list[int]):
+        """A catch-up forward for each row count m in ``sizes`` over static buffers (m-row views
         of one max-size set), graphed like the chained step; its post leaves the last row's output
         and draft in (in_hidden, in_token), so chaining continues without a copy."""
         dev, dtype = self.keys.device, self.keys.dtype
+        max_rows = max(sizes)
         width = self.step_attn.shape[-1]
         self.rows_hidden = torch.zeros(1, max_rows, self.lm.config.hidden_size, dtype=dtype, device=dev)
         self.rows_token = torch.zeros(1, max_rows, dtype=torch.long, device=dev)
@@ -212,7 +217,7 @@ class MTPDrafter:
         self.rows_pos = self._arange[:max_rows].clone()
         self.rows_attn = torch.zeros(1, max_rows, width, dtype=dtype, device=dev)
         self._rows = {}
-        for m in range(1, max_rows + 1):
+        for m in sizes:
             fns = self._catch_up_fns(m)
             self._rows[m] = (fns, self._capture(*fns))
 
@@ -236,15 +241,25 @@ class MTPDrafter:
 
         return pre, attend, post
 
+    def catch_up_chunks(self, m: int) -> list[int]:
+        """How a catch-up of m rows is split: m itself where it has a graph, else the largest
+        graphed size that fits, repeatedly (so 65 rows -> 64 + 1)."""
+        return split_rows(m, self._rows)
+
     def _catch_up(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
-        """Head rows at positions start..start+m-1 (as ``forward_rows``), leaving the last row's
-        output and draft in (in_hidden, in_token): graphed for m <= max_rows, else eager."""
+        """Head rows at positions start..start+m-1 (as ``forward_rows``, chunk by chunk), leaving
+        the last row's output and draft in (in_hidden, in_token)."""
         m = tokens.shape[-1]
         if start + m > self.capacity:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
-        if m not in self._rows:
-            self._emit(self.forward_rows(hidden, tokens, start)[:, -1:])
-            return
+        tokens = tokens.view(1, m)
+        done = 0
+        for rows in self.catch_up_chunks(m):
+            self._catch_up_chunk(hidden[:, done:done + rows], tokens[:, done:done + rows], start + done)
+            done += rows
+
+    def _catch_up_chunk(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        m = tokens.shape[-1]
         self.rows_hidden[:, :m].copy_(hidden)
         self.rows_token[:, :m].copy_(tokens.view(1, m))
         self.rows_pos[:m].copy_(self._arange[start:start + m])
@@ -280,6 +295,31 @@ class MTPDrafter:
             drafts.append(self._chained_step(pos))
             pos += 1
         return drafts
+
+
+# graphed catch-up sizes beyond a round's own (max_rows): after a run of plain steps the policy's
+# longest gap between probes (explore_every, 64 by default) plus a round's rows is caught up in at
+# most a few chunks
+LONG_CHUNKS = (16, 32, 64)
+
+
+def catch_up_sizes(max_rows: int, capacity: int) -> list[int]:
+    """Row counts with a catch-up graph: 1..max_rows and the LONG_CHUNKS above it, within capacity."""
+    top = max(1, min(max_rows, capacity))
+    return list(range(1, top + 1)) + [m for m in LONG_CHUNKS if top < m <= capacity]
+
+
+def split_rows(m: int, sizes) -> list[int]:
+    """m rows as consecutive chunks of the given sizes (which include 1): m itself if it is one,
+    else greedily the largest that fits."""
+    if m in sizes:
+        return [m]
+    ordered, out = sorted(sizes, reverse=True), []
+    while m > 0:
+        rows = next(s for s in ordered if s <= m)
+        out.append(rows)
+        m -= rows
+    return out
 
 
 SHORTLIST_FILE = "draft_shortlist.json"

@@ -3,22 +3,27 @@ here) drafts exactly what a plain ``forward_rows`` catch-up drafts (CPU, tiny).
 
 The reference builds every row, catch-up and chained, with ``forward_rows``; the drafter under test
 copies the pending rows into its per-row-count static buffers and runs its pre/attention/post split
-(or falls back to ``forward_rows`` past ``max_rows``). Same ops on the CPU, so the same bits.
+(in chunks of graphed sizes past ``max_rows``). Same ops on the CPU, so the same bits.
 """
 import pytest
 import torch
 
 from decoders.drafter import MTPDrafter
 
-# (pending rows m, depth) per round: every m up to 8, repeats, and catch-ups past max_rows
-ROUNDS = [(1, 1), (3, 4), (8, 2), (2, 6), (5, 1), (1, 3), (11, 3), (7, 7), (4, 2), (6, 5), (1, 6), (2, 1)]
+# (pending rows m, depth) per round: every m up to 8, repeats, and catch-ups past max_rows,
+# including ones longer than the largest graphed chunk (as after a run of plain steps)
+ROUNDS = [(1, 1), (3, 4), (8, 2), (2, 6), (5, 1), (1, 3), (11, 3), (7, 7), (4, 2), (6, 5), (1, 6), (2, 1),
+          (16, 2), (40, 1), (65, 3), (1, 1)]
 
 
 @torch.inference_mode()
 def reference_draft(dr: MTPDrafter, hidden: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[int]:
-    """The straightforward catch-up: every head row through ``forward_rows``."""
-    start = dr.filled
-    out = dr.forward_rows(hidden, tokens, start)[:, -1:]
+    """The straightforward catch-up: every head row through ``forward_rows``, in the drafter's
+    chunks (a chunk's rows are one batched forward, whose rounding depends on its row count)."""
+    start, done = dr.filled, 0
+    for rows in dr.catch_up_chunks(tokens.shape[-1]):
+        out = dr.forward_rows(hidden[:, done:done + rows], tokens[:, done:done + rows], start + done)[:, -1:]
+        done += rows
     pos = dr.filled = start + tokens.shape[-1]
     drafts = [dr.draft_token(out).view(1, 1)]
     for _ in range(depth - 1):
@@ -30,9 +35,9 @@ def reference_draft(dr: MTPDrafter, hidden: torch.Tensor, tokens: torch.Tensor, 
 
 @pytest.mark.parametrize("max_rows", [8, 3])
 def test_catch_up_drafts_equal_forward_rows_reference(tiny, max_rows):
-    cap = 128
+    cap = 256
     dr, ref = MTPDrafter(tiny, cap, max_rows=max_rows), MTPDrafter(tiny, cap, max_rows=max_rows)
-    assert sorted(dr._rows) == list(range(1, max_rows + 1))
+    assert sorted(dr._rows) == list(range(1, max_rows + 1)) + [16, 32, 64]
     g = torch.Generator().manual_seed(max_rows)
     tokens = torch.randint(tiny.vocab_size, (1, cap), generator=g)
     hidden = torch.randn(1, cap, tiny.backbone.config.hidden_size, generator=g).to(dr.keys.dtype)
@@ -52,6 +57,18 @@ def test_catch_up_drafts_equal_forward_rows_reference(tiny, max_rows):
     assert len(seen) > 3  # the drafts really vary with the inputs
 
 
+def test_long_catch_ups_split_into_graphed_chunks():
+    from decoders.drafter import catch_up_sizes, split_rows
+
+    sizes = catch_up_sizes(7, 4096)
+    assert sizes == [1, 2, 3, 4, 5, 6, 7, 16, 32, 64]
+    assert split_rows(7, sizes) == [7] and split_rows(16, sizes) == [16]
+    assert split_rows(65, sizes) == [64, 1] and split_rows(12, sizes) == [7, 5]
+    assert split_rows(200, sizes) == [64, 64, 64, 7, 1]
+    assert catch_up_sizes(8, 20) == list(range(1, 9)) + [16]  # never past capacity
+    assert catch_up_sizes(64, 4096) == list(range(1, 65))
+
+
 def test_catch_up_checks_capacity(tiny):
     size = tiny.backbone.config.hidden_size
     dr = MTPDrafter(tiny, 12, max_rows=4)
@@ -67,4 +84,4 @@ def test_spec_sizes_catch_up_to_its_window(tiny):
 
     dec = SpecDecoder(max_depth=3)
     dec.prepare(tiny)
-    assert sorted(dec.drafter._rows) == [1, 2, 3, 4]  # accepted rows + 1 <= max_depth + 1
+    assert sorted(dec.drafter._rows) == [1, 2, 3, 4, 16, 32, 64]  # accepted rows + 1 <= max_depth + 1; long chunks
