@@ -68,11 +68,13 @@ def row(name: str, run_dir: Path) -> dict | None:
                 per_prompt.setdefault(r["prompt_id"], []).append(1e3 * r["wall_s"] / len(r["tokens"]))
         return statistics.median(statistics.median(v) for v in per_prompt.values())
 
+    header = json.loads(stream_path.read_text().split("\n", 1)[0])
     lengths = [r["stats"].get("mean_accepted_length") for r in legs if r["role"] == "candidate"]
     lengths = [x for x in lengths if x is not None]
     mem = audit.get("memory", {})
     return {
         "config": name,
+        "gpu": (header.get("device", {}).get("uuid") or "?").removeprefix("GPU-")[:8],
         "control_ms": ms_per_token("control"),
         "candidate_ms": ms_per_token("candidate"),
         "ratio": audit.get("median_ratio"),
@@ -90,16 +92,18 @@ def print_table(rows: list[dict]) -> None:
     there is one, else (marked ~) the ratio of the two ratios against serial."""
     base = next((r["ratio"] for r in rows if r["config"] == "fast-serial"), None)
     side = {r["config"].split("@")[0]: r["ratio"] for r in rows if r["config"].endswith("@fs")}
+    fs_runs = [r for r in rows if r["config"].endswith("@fs")]
     rows = [r for r in rows if not r["config"].endswith("@fs")]
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-    print("\n| config | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of ratios) | "
+    print("\n| config | GPU | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of ratios) | "
           "peak GiB (ctl / cand) | mean acc. len | exact (audit) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     timed = [r for r in rows if r["control_ms"] is not None]
     if timed:  # the control's own row: its legs pooled over every configuration's run
         ctl_ms = statistics.median(r["control_ms"] for r in timed)
         peak = max((r["control_peak"] for r in timed if r["control_peak"] is not None), default=None)
-        print(f"| serial (control, {len(timed)} runs) | {ctl_ms:.2f} | {ctl_ms:.2f} | 1.00x | "
+        gpus = ", ".join(sorted({r["gpu"] for r in timed}))
+        print(f"| serial (control, {len(timed)} runs) | {gpus} | {ctl_ms:.2f} | {ctl_ms:.2f} | 1.00x | "
               f"{'-' if base is None else f'~{1 / base:.2f}x'} | {gib(peak)} / - | - | (defines exact) |")
     for r in rows:
         if r["config"] in side and side[r["config"]] is not None:
@@ -108,8 +112,13 @@ def print_table(rows: list[dict]) -> None:
             vs_fast = "-" if base is None or r["ratio"] is None else f"~{r['ratio'] / base:.2f}x"
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         exact = ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
-        print(f"| {r['config']} | {r['control_ms']:.2f} | {r['candidate_ms']:.2f} | {r['ratio']:.2f}x | {vs_fast} | "
+        print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} | {r['candidate_ms']:.2f} | {r['ratio']:.2f}x | {vs_fast} | "
               f"{gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
+    for r in fs_runs:  # the side-by-side runs themselves: their reference is fast-serial, not serial
+        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        exact = ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
+        print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} (fast-serial) | {r['candidate_ms']:.2f} | - | "
+              f"{r['ratio']:.2f}x | {gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
 
 
 def main() -> int:

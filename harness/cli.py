@@ -230,9 +230,18 @@ def prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, 
 
 
 def device_json(dev) -> dict:
+    import torch
+
     from harness.models import device_name
 
-    return {"type": dev.type, "name": device_name(dev)}
+    out = {"type": dev.type, "name": device_name(dev)}
+    if dev.type == "cuda":
+        # which physical GPU (so runs made in separate calls can show whether they shared a host);
+        # the audit matches devices on type and name only
+        uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
+        if uuid is not None:
+            out["uuid"] = str(uuid)
+    return out
 
 
 def rank_info(setup: Setup, rank: int, world_size: int) -> dict:

@@ -2,7 +2,8 @@
 
 One JSON object per line, each with a ``type``:
 
-  header   once, first: schema, command line, model identity, dtype, device, library versions,
+  header   once, first: schema, command line, model identity, dtype, device ({type, name}, and
+           on CUDA the GPU's uuid), library versions,
            determinism settings, control and candidate decoder (name + config), prompt set
            (source + sha256), max_new_tokens, legs, warmup_tokens, seed; world_size and ranks
            (one {rank, device} per process; under torchrun also each rank's resident_bytes and
