@@ -33,7 +33,7 @@ BASE = {
 }
 SHORTLISTED = {"spec", "inst-0.6", "inst-0.85", "inst-0.95"}
 # NAME@fs: the same candidate timed side by side against fast-serial (harness time --control)
-CONFIGS = {**BASE, **{f"{n}@fs": [*BASE[n], "--control", "fast-serial"] for n in SHORTLISTED}}
+CONFIGS = {**BASE, **{f"{n}@fs": [*BASE[n], "--control", "fast-serial"] for n in BASE if n in SHORTLISTED}}
 DEFAULT_CONFIGS = [*BASE, *(f"{n}@fs" for n in sorted(SHORTLISTED))]
 
 
@@ -58,8 +58,8 @@ def row(name: str, run_dir: Path) -> dict | None:
     if not audit_path.is_file() or not stream_path.is_file():
         return None
     audit = json.loads(audit_path.read_text())
-    legs = [json.loads(line) for line in stream_path.read_text().splitlines()]
-    legs = [r for r in legs if r.get("type") == "leg"]
+    records = [json.loads(line) for line in stream_path.read_text().splitlines()]
+    header, legs = records[0], [r for r in records if r.get("type") == "leg"]
 
     def ms_per_token(role):
         per_prompt = {}
@@ -68,7 +68,6 @@ def row(name: str, run_dir: Path) -> dict | None:
                 per_prompt.setdefault(r["prompt_id"], []).append(1e3 * r["wall_s"] / len(r["tokens"]))
         return statistics.median(statistics.median(v) for v in per_prompt.values())
 
-    header = json.loads(stream_path.read_text().split("\n", 1)[0])
     lengths = [r["stats"].get("mean_accepted_length") for r in legs if r["role"] == "candidate"]
     lengths = [x for x in lengths if x is not None]
     mem = audit.get("memory", {})
@@ -87,12 +86,18 @@ def row(name: str, run_dir: Path) -> dict | None:
     }
 
 
+def accepted_and_exact(r: dict) -> tuple[str, str]:
+    """The mean-accepted-length and audit cells of a row."""
+    mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+    return mal, ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
+
+
 def print_table(rows: list[dict]) -> None:
     """One line per candidate vs serial; "vs fast-serial" is the side-by-side NAME@fs run where
     there is one, else (marked ~) the ratio of the two ratios against serial."""
     base = next((r["ratio"] for r in rows if r["config"] == "fast-serial"), None)
-    side = {r["config"].split("@")[0]: r["ratio"] for r in rows if r["config"].endswith("@fs")}
     fs_runs = [r for r in rows if r["config"].endswith("@fs")]
+    side = {r["config"].split("@")[0]: r["ratio"] for r in fs_runs}
     rows = [r for r in rows if not r["config"].endswith("@fs")]
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     print("\n| config | GPU | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of ratios) | "
@@ -110,13 +115,11 @@ def print_table(rows: list[dict]) -> None:
             vs_fast = f"{side[r['config']]:.2f}x"
         else:
             vs_fast = "-" if base is None or r["ratio"] is None else f"~{r['ratio'] / base:.2f}x"
-        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        exact = ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
+        mal, exact = accepted_and_exact(r)
         print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} | {r['candidate_ms']:.2f} | {r['ratio']:.2f}x | {vs_fast} | "
               f"{gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
     for r in fs_runs:  # the side-by-side runs themselves: their reference is fast-serial, not serial
-        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        exact = ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
+        mal, exact = accepted_and_exact(r)
         print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} (fast-serial) | {r['candidate_ms']:.2f} | - | "
               f"{r['ratio']:.2f}x | {gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
 

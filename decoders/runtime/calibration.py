@@ -140,7 +140,7 @@ def _calibrate(model, max_rows: int, seed: int) -> Calibration:
         cal.gated_norm = _reduction_rows(lambda t: mean_last(t.reshape(-1, dv)).view(t.shape[0], hv, 1),
                                          (max_rows, hv, dv), 0, max_rows, rand)
         # l2norm's sum of squares over [1, Hv, tokens, dk]
-        cal.l2norm = _reduction_rows(lambda t: t.sum(-1, keepdim=True), (1, hv, max_rows, dk), 2, max_rows, rand)
+        cal.l2norm = _reduction_rows(_sum_last, (1, hv, max_rows, dk), 2, max_rows, rand)
         # the recurrence's readout (state * q).sum(-2), over the captured states [tokens, 1, Hv, dk, dv]
         cal.readout = _reduction_rows(lambda t: t.sum(-2), (max_rows, 1, hv, dk, dv), 0, max_rows, rand)
         cal.qk_l2norm = _qk_l2norm_rows(hv, dk, max_rows, rand)
