@@ -310,6 +310,25 @@ def test_quality_report(smoke):
     assert all(s["path"] in held for s in q["samples"])
     dev_rep = q["dev_repetition"]
     assert dev_rep["streams"] > 0 and 0.0 <= dev_rep["looping_fraction"] <= 1.0
+    assert 0.0 <= dev_rep["reference_looping_fraction"] <= 1.0
+    assert 0.0 <= q["repetition"]["reference_looping_fraction"] <= 1.0
+
+
+def test_measure_only_reproduces_the_runs_own_quality(smoke):
+    """Re-measuring a checkpoint gives the figures its training run measured (same splits, prompts,
+    loop check), so a shipped model and a new variant can be compared on one measure."""
+    out, report = smoke
+    again = ts.main(["--smoke", "--out", str(out), "--device", "cpu", "--measure-only", "--no-spec-check"])
+    assert json.loads((out / "quality.remeasured.json").read_text()) == json.loads(json.dumps(again))
+    for key in ("dev", "heldout", "repetition", "dev_repetition", "samples"):
+        assert again[key] == json.loads(json.dumps(report[key])), key
+    assert again["files_sha256"] == report["corpus"]["files_sha256"]
+
+
+def test_measure_only_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--measure-only"])
+    assert "not a checkpoint" in str(exc.value)
 
 
 def test_training_knobs_reach_the_preset_and_bad_ones_are_refused(monkeypatch):

@@ -13,6 +13,7 @@ name=$1; shift
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 L=$OUT/logs; mkdir -p $L
+{ hostname; nvidia-smi -L; date -u; } > $L/host-$name.txt
 timeout 480 python -m fixtures.train_small --out $OUT/$name --minutes 5.5 "$@" > $L/$name.log 2>&1
 tail -4 $L/$name.log
 # the run directory has more files than a call returns one by one: one archive
@@ -24,5 +25,8 @@ try:
 except OSError:
     print(sys.argv[1], "missing"); sys.exit()
 print("dev ntp", round(q["dev"]["ntp_loss"], 3), "dev loops", q["dev_repetition"]["looping_fraction"],
-      "| held-out ntp", round(q["heldout"]["ntp_loss"], 3), "held-out loops", q["repetition"]["looping_fraction"])
+      "| held-out ntp", round(q["heldout"]["ntp_loss"], 3), "held-out loops", q["repetition"]["looping_fraction"],
+      "| source loops dev/held-out", q["dev_repetition"].get("reference_looping_fraction"),
+      q["repetition"].get("reference_looping_fraction"), "| best step", q["training"]["best_step"],
+      "of", q["training"]["steps_done"])
 PY
