@@ -416,3 +416,67 @@ def test_make_tiny_output_unchanged(tmp_path):
     assert len(written) >= 6
     for f in written:
         assert f.read_bytes() == (TINY_DIR / f.name).read_bytes(), f.name
+
+
+# --------------------------------------------------------------------------- the unlikelihood fine-tune
+
+
+def test_repeat_mask_marks_tokens_that_complete_a_seen_ngram():
+    seq = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 4, 2, 3]])
+    m = ts.repeat_mask(seq, start=4, n=2)
+    # from position 4: (9,1) new, (1,2) seen, (2,3) seen, (3,4) new, (4,2) new, (2,3) seen
+    assert m[0].tolist() == [False] * 4 + [False, True, True, False, False, True]
+    assert not ts.repeat_mask(seq, start=4, n=5).any()
+
+
+def test_greedy_continuations_are_the_uncached_argmax(smoke_models):
+    """The cached batched generation the fine-tune trains on continues each row with the argmax of a
+    full forward over that row (CPU, fp32)."""
+    backbone, _ = smoke_models
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, backbone.config.vocab_size, (3, 10), generator=gen)
+    seq = ts.greedy_continuations(backbone, prompts, 6, amp=False)
+    assert seq.shape == (3, 16) and torch.equal(seq[:, :10], prompts)
+    with torch.no_grad():
+        for t in range(10, 16):
+            full = backbone(input_ids=seq[:, :t], use_cache=False).logits[:, -1]
+            assert torch.equal(full.argmax(-1), seq[:, t])
+
+
+def test_unloop_lowers_the_probability_of_a_repeat(smoke_models):
+    """A few unlikelihood updates on a looping sequence lower p(repeat token) there."""
+    import copy
+
+    backbone, head = (copy.deepcopy(m) for m in smoke_models)
+    seq = torch.tensor([[5, 6, 7, 8] * 6])
+    mask = ts.repeat_mask(seq, 4, 4)
+    assert mask[0, 7:].all()
+
+    def p_repeat():
+        with torch.no_grad():
+            logits = backbone(input_ids=seq, use_cache=False).logits[0, 3:-1].float()
+        return logits.softmax(-1).gather(-1, seq[0, 4:, None]).mean().item()
+
+    before = p_repeat()
+    opt = torch.optim.SGD(backbone.parameters(), lr=0.5)
+    for _ in range(5):
+        backbone.zero_grad()
+        ts.unlikelihood(backbone, seq, mask, 4).backward()
+        opt.step()
+    assert p_repeat() < before
+
+
+def test_unloop_run_records_its_rounds(tmp_path):
+    out = tmp_path / "u"
+    report = ts.main(["--smoke", "--out", str(out), "--device", "cpu", "--unloop-steps", "4", "--no-spec-check"])
+    u = report["training"]["unloop"]
+    assert u["updates"] == 4 and len(u["rounds"]) == 2 and u["settings"]["unloop_steps"] == 4
+    assert all(0.0 <= r["looping_fraction"] <= 1.0 and r["mean_unlikelihood"] >= 0.0 for r in u["rounds"])
+    again = ts.main(["--smoke", "--out", str(tmp_path / "v"), "--device", "cpu", "--init-from", str(out),
+                     "--unloop-steps", "2", "--no-spec-check"])
+    t = again["training"]
+    assert t["steps_done"] == 0 and t["init_from"]["path"] == str(out) and t["unloop"]["updates"] == 2
+    # starting from an exported checkpoint begins where that run's unlikelihood phase ended
+    assert t["unloop"]["dev_before"]["ntp_loss"] == pytest.approx(u["dev_after"]["ntp_loss"], abs=0.02)
+    with pytest.raises(SystemExit):
+        ts.main(["--smoke", "--out", str(out), "--init-from", str(out), "--unloop-steps", "1"])
