@@ -1,11 +1,11 @@
 #!/bin/bash
-# Prepared in session 5 for a later GPU session (issue 7: 9 of 24 greedy samples of `small` loop).
+# Ran in session 6, calls 1 and 2 (prepared in session 5) (issue 7: 9 of 24 greedy samples of `small` loop).
 # ONE retrain variant per call, at the shipped run's full 5.5-minute budget: session 5 trained a
 # variant at 2.5 minutes (to fit three in a call) and it stopped at step 493 with dev loss 3.21
 # against the shipped run's 2.92, undertrained rather than regularised, and its quality phase
 # was cut off. The shipped run took 372 s in all (training, export, quality), so 480 s here.
-#   bash bench/gpu/next_train_variant.sh v2 --dropout 0.2 --weight-decay 0.3
-#   bash bench/gpu/next_train_variant.sh v3 --dropout 0.3 --max-epochs 16
+#   bash bench/gpu/s6_train_variant.sh v2 --dropout 0.2 --weight-decay 0.3
+#   bash bench/gpu/s6_train_variant.sh v3 --dropout 0.3 --max-epochs 16
 # Choose between variants and the shipped model on dev figures only (dev loss, and
 # `dev_repetition.looping_fraction` in quality.json); held-out figures are reported, never used.
 set -u
