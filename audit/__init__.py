@@ -5,8 +5,8 @@ replays every emitted token stream through its own pristine serial greedy path (
 DynamicCache, one token per forward), recomputes every timing ratio from the raw legs, checks
 the file for tampering and truncation, and scores the run.
 
-Import rule: the audit may use ``harness.schema``, ``harness.models``, ``harness.determinism``,
-``harness.errors`` and ``harness.dist`` (the file format, the model loader, the pinned
+Import rule: the audit may use ``core.schema``, ``core.models``, ``core.determinism``,
+``core.errors`` and ``core.dist`` (the file format, the model loader, the pinned
 configuration, the torchrun plumbing that shards prompts alike in both tools). It never
 imports ``harness.timing``, ``harness.cli`` or anything in ``decoders``: a bug there must not be
 able to hide itself from the audit. ``tests/test_audit_imports.py`` enforces this.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from harness.schema import ROLES, abba_roles
+from core.schema import ROLES, abba_roles
 
 from audit.stream import BadInput, PromptRun, Run, is_int
 
@@ -124,7 +124,7 @@ def check_devices(header: dict, replay_devices: list[dict], allow_mismatch: bool
 
 
 def check_determinism(recorded, differences) -> list[dict]:
-    """``differences`` is harness.determinism.differences, called after the audit pinned."""
+    """``differences`` is core.determinism.differences, called after the audit pinned."""
     if not isinstance(recorded, dict) or not recorded:
         return [finding("determinism", "fail", None,
                         "header has no determinism settings; exactness is undefined without them")]

@@ -7,32 +7,26 @@ from the raw legs, checks the file for tampering, scores the run and writes audi
 Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input,
 or under torchrun a rank that failed or hung (one line on stderr, nothing written).
 
-Import rule: harness.schema / models / determinism / errors / dist only; never harness.timing,
+Import rule: core.schema / models / determinism / errors / dist only; never harness.timing,
 harness.cli or decoders (tests/test_audit_imports.py).
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import click
 
-from harness.errors import DistError, Stopped, UserError
+from core.errors import DistError, Stopped, UserError
 
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
-
 def fail(message: str, code: int = EXIT_BAD_INPUT, quiet: bool = False):
     if not quiet:
         click.echo(f"error: {message}", err=True)
     sys.exit(code)
-
-
-def log(message: str) -> None:
-    click.echo(message, err=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -81,7 +75,7 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     benchmark costs one replay instead of K. Every file is read and checked for bad input before
     anything is replayed or written.
     """
-    from harness.dist import quiet_rank, rank_prefix
+    from core.dist import quiet_rank, rank_prefix
 
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
     try:
@@ -103,125 +97,25 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     sys.exit(code)
 
 
-def model_spec_from_header(header: dict) -> str:
-    """Built-ins by name; checkpoints by the path recorded (pass --model when it moved)."""
-    name = header["model"].get("name")
-    if not isinstance(name, str) or not name:
-        raise BadInput("header model has no name; pass --model")
-    return name
-
-
-def choose_device(requested: str | None, recorded: dict) -> str:
-    import torch
-
-    if requested:
-        if requested.startswith("cuda") and not torch.cuda.is_available():
-            raise BadInput(f"device {requested!r} requested but this machine has no CUDA GPU")
-        return requested
-    if recorded.get("type") == "cuda" and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
-def check_prompt_ids(run, vocab_size: int) -> None:
-    for p in run.prompts:
-        bad = [t for t in p.token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise BadInput(f"prompt {p.id!r}: token id {bad[0]} outside the model's vocabulary (0..{vocab_size - 1})")
-
-
-def replay_device_json(dev: str) -> dict:
-    import torch
-
-    from harness.models import device_name
-
-    d = torch.device(dev)
-    return {"type": d.type, "name": device_name(d)}
-
-
-def load_replay_model(run, model_spec: str | None, dev: str):
-    """The model to replay with, checked against the prompts' token ids."""
-    from harness.models import load_model
-
-    spec = model_spec or model_spec_from_header(run.header)
-    try:
-        model = load_model(spec, dev)
-    except UserError as exc:
-        raise UserError(f"cannot load model {spec!r} to replay with: {exc}") from None
-    check_prompt_ids(run, model.vocab_size)
-    return model
-
-
-def file_findings(run, model_identity: dict) -> tuple[list[dict], list[dict]]:
-    """Every finding that needs no replay: (all of them, the model-identity ones alone)."""
-    import torch
-    import transformers
-
-    from harness import determinism
-
-    from audit import checks
-
-    findings = checks.check_header(run.header, {"torch": torch.__version__, "transformers": transformers.__version__})
-    findings += checks.check_determinism(run.header.get("determinism"), determinism.differences)
-    model_findings = checks.check_model_identity(run.header["model"], model_identity)
-    findings += model_findings
-    findings += checks.check_instrument(run.header)
-    findings += checks.check_reference(run.header)
-    findings += checks.run_checks(run)
-    return findings, model_findings
-
-
-def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
-    """audit.json ``replay``: how the tokens were replayed, and where (one entry per rank)."""
-    return {"path": "pristine-serial", "device": devices[0]["name"], "tokens_replayed": tokens,
-            "seconds": seconds, "ms_per_token": 1000 * seconds / tokens if tokens else None,
-            "world_size": len(devices), "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)]}
-
-
-def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, model_identity: dict,
-           params: dict) -> int:
-    """Build, write and print audit.json; the exit code from its verdict."""
-    from harness.schema import write_json_atomic
-
-    from audit.report import build_document, render_table
-
-    doc = build_document(run, hashlib.sha256(path.read_bytes()).hexdigest(), findings, replayed, info,
-                         model_identity, params)
-    try:
-        write_json_atomic(out_path, doc)
-    except OSError as exc:
-        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(render_table(doc))
-    click.echo(f"wrote {out_path}")
-    return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
-
-
-def pin_replay_environment() -> None:
-    from harness import determinism
-
-    determinism.pin()  # before anything can touch CUDA, as the harness does
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
-
-
 def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
                  allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
     """The whole audit; returns the exit code. Writes audit.json once, at the end."""
+    from audit.pipeline import pin_replay_environment  # torch loads only when a command runs: --help stays fast
+
     pin_replay_environment()
-    from harness import dist
+    from core import dist
 
     from audit import checks
+    from audit.pipeline import choose_device, file_findings, finish, load_replay_model, log, replay_device_json, replay_info
     from audit.replay import replay_run
     from audit.report import divergence_findings
+    from audit.sharded import audit_sharded
     from audit.stream import load_run
 
     run = load_run(path)
     out_path = out_path or path.parent / "audit.json"
     topo = dist.topology()
     if topo.active:
-        from audit.sharded import audit_sharded
-
         return audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
                              dist_timeout or dist.DEFAULT_TIMEOUT_S)
     dev = choose_device(device, run.header["device"])
@@ -246,6 +140,7 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
     every replay-free finding computed. Returns (path, run, replay device, findings, model key,
     whether to replay it)."""
     from audit import checks
+    from audit.pipeline import check_prompt_ids, choose_device, file_findings, load_replay_model, model_spec_from_header, replay_device_json
     from audit.stream import load_run
 
     run = load_run(path)
@@ -264,9 +159,12 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
                   params: dict) -> int:
     """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``).
     Bad input in any file stops everything before a replay or a write."""
-    pin_replay_environment()
-    from harness import dist
+    from audit.pipeline import pin_replay_environment
 
+    pin_replay_environment()
+    from core import dist
+
+    from audit.pipeline import finish, log, replay_info
     from audit.replay import replay_shared
     from audit.report import divergence_findings
 

@@ -1,6 +1,6 @@
 """``audit replay`` under torchrun: each rank replays its share of the prompts, rank 0 audits.
 
-Prompt i is replayed on rank i % world_size (the harness's sharding, ``harness.dist``), on that
+Prompt i is replayed on rank i % world_size (the harness's sharding, ``core.dist``), on that
 rank's own device. Every rank reads the stream and loads the model itself; rank 0 alone runs
 the model-free checks, gathers every rank's ``PromptReplay`` results and writes audit.json, the
 same document one process would write except for the replay's timing (``seconds``,
@@ -13,9 +13,13 @@ import time
 
 import click
 
-from harness import dist
-from harness.errors import DistError, UserError
+from core import dist
+from core.errors import DistError, UserError
 
+from audit import checks
+from audit.pipeline import choose_device, file_findings, finish, load_replay_model, replay_device_json, replay_info
+from audit.replay import PristineSerial, log_prompt, replay_one
+from audit.report import divergence_findings
 from audit.stream import BadInput
 
 
@@ -26,8 +30,6 @@ def rank_log(topo):
 def audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
                   timeout_s) -> int:
     """One rank's part of the audit; rank 0 returns the audit's exit code, the others 0."""
-    from audit.cli import choose_device
-
     dev = dist.rank_device(choose_device(device, run.header["device"]), topo)
     session = dist.start(topo, timeout_s)
     try:
@@ -46,9 +48,6 @@ def audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mi
 def setup_rank(run, model_spec, dev: str, allow_device_mismatch: bool):
     """This rank's device must be the recording's kind (refused before the model is loaded, as
     in one process); then the model."""
-    from audit import checks
-    from audit.cli import load_replay_model, replay_device_json
-
     replay_dev = replay_device_json(dev)
     checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
     return replay_dev, load_replay_model(run, model_spec, dev)
@@ -67,8 +66,6 @@ def replay_share(session, model, run, share: list, log) -> tuple[dict, int, floa
     """This rank's prompts through the pristine path. Returns (replayed, tokens, seconds, error):
     on the first failure the error names the prompt and this rank stops; it also stops once
     another rank has failed."""
-    from audit.replay import PristineSerial, log_prompt, replay_one
-
     stepper, eos = PristineSerial(model), set(model.eos_token_ids)
     out, tokens, t0 = {}, 0, time.perf_counter()
     for n, p in enumerate(share, start=1):
@@ -89,10 +86,6 @@ def replay_share(session, model, run, share: list, log) -> tuple[dict, int, floa
 
 
 def audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mismatch, params) -> int:
-    from audit import checks
-    from audit.cli import file_findings, finish, replay_info
-    from audit.report import divergence_findings
-
     topo, log = session.topo, rank_log(session.topo)
     session.at("loading the model")
     loaded, error = dist.guarded(topo, lambda: setup_rank(run, model_spec, dev, allow_device_mismatch),

@@ -1,6 +1,6 @@
 """Read a ``stream.jsonl`` into a per-prompt structure for the checks.
 
-``harness.schema.read_stream`` validates each record's fields; here the records are grouped by
+``core.schema.read_stream`` validates each record's fields; here the records are grouped by
 prompt and the header's fields the audit relies on are type-checked. Anything that makes the
 file impossible to audit meaningfully (unparseable, unknown schema, duplicate prompt ids, a leg
 for a prompt never declared) raises ``BadInput``: the CLI prints one line and exits 2. Things
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.schema import StreamFormatError, read_stream
+from core.schema import StreamFormatError, read_stream
 
 
 class BadInput(Exception):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import determinism  # noqa: E402
+from core import determinism  # noqa: E402
 
 determinism.pin()
 
@@ -199,8 +199,8 @@ def main() -> int:
 
     transformers.logging.set_verbosity_error()
     from decoders.runtime.calibration import calibrate
-    from harness.models import load_model
-    from harness.prompts import load_prompts
+    from core.models import load_model
+    from core.prompts import load_prompts
 
     model = load_model(args.model, args.device)
     prompts, _ = load_prompts("random-512" if model.tokenizer is None else "dev", model)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import determinism  # noqa: E402
+from core import determinism  # noqa: E402
 
 determinism.pin()
 
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from harness.models import load_model
+    from core.models import load_model
 
     model = load_model(args.model, args.device)
     linears = {}

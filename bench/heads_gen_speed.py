@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true", help="skip the exactness comparison")
     args = ap.parse_args()
 
-    from harness import determinism
+    from core import determinism
 
     determinism.pin()
     import transformers
@@ -36,8 +36,8 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     import torch
 
-    from harness.models import load_model
-    from harness.prompts import load_prompts
+    from core.models import load_model
+    from core.prompts import load_prompts
     from heads import train as T
 
     model = load_model(args.model, args.device)

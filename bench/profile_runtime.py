@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import determinism  # noqa: E402
+from core import determinism  # noqa: E402
 
 determinism.pin()
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         print("profile_runtime: needs a CUDA GPU", file=sys.stderr)
         return 2
     from decoders.spec import SpecDecoder
-    from harness.models import load_model
+    from core.models import load_model
 
     model = load_model(args.model, "cuda")
     windows = [int(w) for w in args.windows.split(",")]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import determinism  # noqa: E402
+from core import determinism  # noqa: E402
 
 determinism.pin()
 
@@ -158,7 +158,7 @@ def main():
 
     transformers.logging.set_verbosity_error()
     from decoders.runtime.runtime import ExactRuntime
-    from harness.models import device_name, load_model
+    from core.models import device_name, load_model
 
     model = load_model(args.model, args.device)
     dev, lm = model.device, model.backbone

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from harness.errors import UserError
+from core.errors import UserError
 
 REGISTRY: dict[str, tuple[str, str]] = {
     # name: ("module:attr", one-line description)

@@ -63,7 +63,7 @@ class Decoder(Protocol):
     name: str
 
     def prepare(self, model) -> None:
-        """Bind to a loaded model (harness.models.LoadedModel); may allocate and warm up."""
+        """Bind to a loaded model (core.models.LoadedModel); may allocate and warm up."""
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
         """Greedy-decode at most ``max_new_tokens`` tokens after ``prompt_ids``, stopping after EOS."""

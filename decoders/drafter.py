@@ -18,12 +18,14 @@ verification always uses the full vocabulary, so exactness is untouched.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from core.errors import UserError
 from decoders.runtime import layers as L
 
 
@@ -341,3 +343,31 @@ def load_shortlist(path: Path) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise ValueError(f"{path}: shortlist must be a JSON list of token ids or {{'ids': [...]}}")
     return ids
+
+
+def load_head(model, directory):
+    """A copy of ``model``'s MTP head with ``DIR/mtp.safetensors`` loaded (strict: exactly the
+    head's tensor names under ``mtp.``, matching shapes), in the model's dtype and device. The
+    model itself (backbone and its own head) is unchanged."""
+    from safetensors.torch import load_file  # only a trained head needs it
+
+    if model.mtp is None:
+        raise UserError(f"model {model.name} has no MTP head to load a trained one into: {model.mtp_missing}")
+    path = Path(directory) / HEAD_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such head file")
+    raw = load_file(str(path), device=str(model.device))
+    bad = [k for k in raw if not k.startswith("mtp.")]
+    if bad:
+        raise UserError(f"{path}: unexpected tensor {bad[0]} (a head file holds only mtp.*)")
+    head = copy.deepcopy(model.mtp)
+    own = head.state_dict()
+    sd = {k[4:]: v for k, v in raw.items()}
+    for k, v in sd.items():
+        if k in own and tuple(own[k].shape) != tuple(v.shape):
+            raise UserError(f"{path}: mtp.{k} has shape {tuple(v.shape)}, the model's head has {tuple(own[k].shape)}")
+    try:
+        head.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in sd.items()}, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{path}: does not match the model's head ({str(exc).splitlines()[0]})") from None
+    return head.eval()

@@ -62,16 +62,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from harness import determinism
+    from core import determinism
 
     determinism.pin()
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from harness.errors import UserError
-    from harness.models import load_model
-    from harness.prompts import load_prompts
-    from harness.schema import write_json_atomic
+    from core.errors import UserError
+    from core.models import load_model
+    from core.prompts import load_prompts
+    from core.schema import write_json_atomic
 
     try:
         model = load_model(args.model, args.device)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from decoders.base import DecodeResult, DecodeStats
-from decoders.drafter import HEAD_FILE, SHORTLIST_FILE, MTPDrafter, default_shortlist, load_shortlist
+from decoders.drafter import HEAD_FILE, SHORTLIST_FILE, MTPDrafter, default_shortlist, load_head, load_shortlist
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 
@@ -85,8 +85,6 @@ class SpecDecoder:
         model.require_mtp(self.name)
         self.model = model
         if self.head_dir is not None:
-            from heads.train import load_head
-
             self.head = load_head(model, self.head_dir)
         self._build(self.capacity)
         self.costs = self.measure_costs()

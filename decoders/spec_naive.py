@@ -14,7 +14,7 @@ import copy
 import torch
 
 from decoders.base import DecodeResult, DecodeStats
-from harness.mtp import new_mtp_cache
+from core.mtp import new_mtp_cache
 
 
 class SpecNaiveDecoder:

@@ -1,5 +1,4 @@
-"""Timing harness: loads models, runs decoders side by side, writes stream.jsonl.
-
-Kept import-light: the audit imports ``harness.schema``, ``harness.models`` and
-``harness.determinism`` and must not pull in timing or decoding code.
+"""The timing harness (``harness time``, ``harness list``): runs a decoder and the serial control
+side by side and writes stream.jsonl. It sits on top: it imports ``core``, ``decoders`` and
+``reports``; nothing imports it.
 """

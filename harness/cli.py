@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from harness.errors import DistError, Stopped, UserError
+from core.errors import DistError, Stopped, UserError
 
 
 def quiet_libraries() -> None:
@@ -45,13 +45,13 @@ def run_cli(fn):
 
 
 def quiet_rank() -> bool:
-    from harness.dist import quiet_rank
+    from core.dist import quiet_rank
 
     return quiet_rank()
 
 
 def rank_prefix() -> str:
-    from harness.dist import rank_prefix
+    from core.dist import rank_prefix
 
     return rank_prefix()
 
@@ -69,8 +69,8 @@ def main():
 def list_cmd():
     """Show the registered decoders, built-in models and built-in prompt sets."""
     from decoders import CONTROL, DEFAULT_DECODER, REGISTRY
-    from harness.models import BUILTIN_MODELS, DEFAULT_MODEL
-    from harness.prompts import BUILTIN_PROMPTS
+    from core.models import BUILTIN_MODELS, DEFAULT_MODEL
+    from core.prompts import BUILTIN_PROMPTS
 
     width = 2 + max(len(n) for n in [*REGISTRY, *BUILTIN_MODELS, *BUILTIN_PROMPTS])
     click.echo("decoders (--decoder NAME, or package.module:attr):")
@@ -157,11 +157,11 @@ def render_report(run_dir: Path) -> None:
 
 def run_time(decoder_spec, model_spec, prompts_spec, max_new_tokens, legs, limit, warmup_tokens, device,
              out_dir, force, seed, decoder_args=(), dist_timeout=None, control_spec=None):
-    from harness import determinism  # pins before anything touches CUDA
+    from core import determinism  # pins before anything touches CUDA
 
     settings = determinism.pin()
     quiet_libraries()
-    from harness import dist
+    from core import dist
 
     stream_path = choose_stream_path(decoder_spec, out_dir, force)
     topo = dist.topology()
@@ -210,8 +210,8 @@ def prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, 
     import torch
 
     from decoders import CONTROL, DEFAULT_DECODER, get_decoder, parse_decoder_args
-    from harness.models import load_model
-    from harness.prompts import load_prompts
+    from core.models import load_model
+    from core.prompts import load_prompts
 
     log = log or (lambda message: click.echo(message, err=True))
     decoder_spec = decoder_spec or DEFAULT_DECODER
@@ -232,7 +232,7 @@ def prepare_run(decoder_spec, decoder_args, model_spec, device, max_new_tokens, 
 def device_json(dev) -> dict:
     import torch
 
-    from harness.models import device_name
+    from core.models import device_name
 
     out = {"type": dev.type, "name": device_name(dev)}
     if dev.type == "cuda":
@@ -257,7 +257,7 @@ def rank_info(setup: Setup, rank: int, world_size: int) -> dict:
 def build_header(setup: Setup, settings: dict, legs: int, warmup_tokens: int, seed: int, ranks: list[dict]) -> dict:
     import torch
 
-    from harness.schema import SCHEMA
+    from core.schema import SCHEMA
 
     control, candidate = setup.control, setup.candidate
     header = {
@@ -314,7 +314,7 @@ def time_one(setup: Setup, prompt, legs: int, warmup_tokens: int, clock, on_leg=
 
 def time_in_one_process(setup: Setup, header: dict, stream_path: Path, legs: int, warmup_tokens: int) -> Path:
     """The single-process run: each prompt's records go to the temporary stream as they come."""
-    from harness.schema import AtomicJsonlWriter
+    from core.schema import AtomicJsonlWriter
     from harness.timing import Clock
 
     prompts, candidate, control = setup.prompts, setup.candidate, setup.control
@@ -353,7 +353,7 @@ def run_time_sharded(topo, settings, stream_path, decoder_spec, model_spec, prom
                      limit, warmup_tokens, device, seed, decoder_args, dist_timeout, control_spec=None):
     """One rank of a torchrun job: time every world_size-th prompt on this rank's own device
     (both legs of each prompt in this process), then rank 0 writes the merged stream."""
-    from harness import dist
+    from core import dist
 
     device = dist.rank_device(device, topo)
     session = dist.start(topo, dist_timeout)
@@ -381,7 +381,7 @@ def rank_log(topo):
 
 def check_setup(payloads: list[dict]) -> None:
     """Every rank raises the same error here, so all stop together (only rank 0 prints it)."""
-    from harness import dist
+    from core import dist
 
     dist.raise_setup_errors(payloads)
     devices = [p["info"]["device"] for p in payloads]
@@ -396,14 +396,14 @@ def check_setup(payloads: list[dict]) -> None:
 def prompts_digest(prompts) -> str:
     import hashlib
 
-    from harness.schema import dumps
+    from core.schema import dumps
 
     return hashlib.sha256(dumps([[p.id, p.token_ids] for p in prompts]).encode()).hexdigest()
 
 
 def time_sharded(session, settings, stream_path, decoder_spec, model_spec, prompts_spec, max_new_tokens, legs,
                  limit, warmup_tokens, device, seed, decoder_args, control_spec=None):
-    from harness import dist
+    from core import dist
     from harness.timing import Clock
 
     topo, log = session.topo, rank_log(session.topo)
@@ -435,7 +435,7 @@ def time_sharded(session, settings, stream_path, decoder_spec, model_spec, promp
 def time_share(session, setup: Setup, share: list, legs: int, warmup_tokens: int, clock, log):
     """This rank's prompts, in order. Returns (entries, error): on the first failure the error
     names the prompt, and this rank stops; it also stops once another rank has failed."""
-    from harness import dist
+    from core import dist
 
     entries, rank = [], session.topo.rank
     for n, prompt in enumerate(share, start=1):
@@ -456,7 +456,7 @@ def time_share(session, setup: Setup, share: list, legs: int, warmup_tokens: int
 
 def write_merged(stream_path: Path, header: dict, entries: list[dict], setup: Setup) -> Path:
     """Rank 0: every rank's records, prompts in their original order, in one atomic write."""
-    from harness.schema import AtomicJsonlWriter
+    from core.schema import AtomicJsonlWriter
 
     by_id = {p.id: p for p in setup.prompts}
     summaries = [(by_id[e["prompt"]["id"]], e["legs"], e["summary"]) for e in entries]

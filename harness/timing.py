@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.schema import abba_roles
+from core.schema import abba_roles
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def _check_out(out: Path, model_dir: str) -> None:
-    from harness.errors import UserError
+    from core.errors import UserError
     from heads.train import HEAD_FILE
 
     if out.exists() and not out.is_dir():
@@ -37,15 +37,15 @@ def _check_out(out: Path, model_dir: str) -> None:
 
 
 def cmd_train(args) -> int:
-    from harness import determinism
+    from core import determinism
 
     determinism.pin()
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from harness.errors import UserError
-    from harness.models import load_model
-    from harness.prompts import load_prompts
+    from core.errors import UserError
+    from core.models import load_model
+    from core.prompts import load_prompts
     import torch
 
     from heads import train as T

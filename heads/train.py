@@ -63,7 +63,7 @@ def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.
     across runs and orders of the file). Needs at least 3 prompts. ``max_heldout`` / ``max_dev``
     cap those splits (their streams are generated exactly, one prompt at a time: the costly part
     of a large set); the prompts they leave go to train."""
-    from harness.errors import UserError
+    from core.errors import UserError
 
     n = len(prompts)
     if n < 3:
@@ -111,7 +111,7 @@ def equal_length_batches(prompts: list, batch: int) -> list[list]:
     """Prompts sorted by (token length, id) and cut into groups of ``batch``; every prompt of a group
     is left-truncated to the group's shortest (its last tokens kept), so a group needs no padding.
     Returns the groups of (possibly shortened) ``Prompt`` copies; ids are kept."""
-    from harness.prompts import Prompt
+    from core.prompts import Prompt
 
     order = sorted(prompts, key=lambda p: (len(p.token_ids), p.id))
     groups = []
@@ -351,7 +351,7 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
     evaluated), 'improved' and 'shortlist'. ``gen_batch`` > 1 generates the train split batched
     (``generate_batched``: shortened prompts, not exact; ``gen_dtype`` a dtype for it other than the
     model's); dev and held-out are always exact. ``max_heldout`` / ``max_dev`` cap those splits."""
-    from harness.errors import UserError
+    from core.errors import UserError
 
     if model.mtp is None:
         raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
@@ -471,7 +471,7 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
 def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
     from safetensors.torch import save_file
 
-    from harness.schema import write_json_atomic
+    from core.schema import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (HEAD_FILE + ".tmp")
@@ -482,36 +482,6 @@ def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
 
     write_json_atomic(out / SHORTLIST_FILE, shortlist)
     write_json_atomic(out / REPORT_FILE, report)
-
-
-def load_head(model, directory):
-    """A copy of ``model``'s MTP head with ``DIR/mtp.safetensors`` loaded (strict: exactly the
-    head's tensor names under ``mtp.``, matching shapes), in the model's dtype and device. The
-    model itself (backbone and its own head) is unchanged."""
-    from safetensors.torch import load_file
-
-    from harness.errors import UserError
-
-    if model.mtp is None:
-        raise UserError(f"model {model.name} has no MTP head to load a trained one into: {model.mtp_missing}")
-    path = Path(directory) / HEAD_FILE
-    if not path.is_file():
-        raise UserError(f"{path}: no such head file")
-    raw = load_file(str(path), device=str(model.device))
-    bad = [k for k in raw if not k.startswith("mtp.")]
-    if bad:
-        raise UserError(f"{path}: unexpected tensor {bad[0]} (a head file holds only mtp.*)")
-    head = copy.deepcopy(model.mtp)
-    own = head.state_dict()
-    sd = {k[4:]: v for k, v in raw.items()}
-    for k, v in sd.items():
-        if k in own and tuple(own[k].shape) != tuple(v.shape):
-            raise UserError(f"{path}: mtp.{k} has shape {tuple(v.shape)}, the model's head has {tuple(own[k].shape)}")
-    try:
-        head.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in sd.items()}, strict=True)
-    except RuntimeError as exc:
-        raise UserError(f"{path}: does not match the model's head ({str(exc).splitlines()[0]})") from None
-    return head.eval()
 
 
 def summary_lines(report: dict) -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from harness.errors import UserError
+from core.errors import UserError
 
 
 def fail(message: str, code: int = 2):

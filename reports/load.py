@@ -1,6 +1,6 @@
 """Reading a run directory for the report: ``stream.jsonl`` (required) and ``audit.json`` (optional).
 
-The stream is parsed and field-checked by ``harness.schema.read_stream``; on top of that the
+The stream is parsed and field-checked by ``core.schema.read_stream``; on top of that the
 report needs the run to be whole (an end record, every prompt timed on the control and at least one
 other role) and the decoder statistics it plots to have the right shapes. Anything wrong is a
 ``UserError`` with one line saying what and where, so nothing is rendered from a partial run.
@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import UserError
-from harness.schema import StreamFormatError, read_stream
+from core.errors import UserError
+from core.schema import StreamFormatError, read_stream
 
 STREAM_NAME = "stream.jsonl"
 AUDIT_NAME = "audit.json"

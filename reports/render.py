@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness.errors import UserError
+from core.errors import UserError
 from reports.figures import FIGURES
 from reports.load import load_run
 from reports.markdown import write_report

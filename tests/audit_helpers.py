@@ -12,7 +12,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from harness.schema import dumps
+from core.schema import dumps
 
 
 def run_harness(out_dir: Path, decoder: str, *, limit: int = 2, n: int = 12, legs: int = 2,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from decoders.base import DecodeResult, DecodeStats
-from harness.mtp import new_mtp_cache
+from core.mtp import new_mtp_cache
 
 
 def serial_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:

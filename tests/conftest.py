@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from harness import determinism
+from core import determinism
 
 determinism.pin()  # every test runs in the configuration the harness and audit use
 # The tiny model's ops are far too small to gain from threads; on CI's 2 cores a second thread
@@ -15,7 +15,7 @@ def tiny():
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from harness.models import load_model
+    from core.models import load_model
 
     return load_model("tiny", "cpu")
 

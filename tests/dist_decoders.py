@@ -22,7 +22,7 @@ class OnePromptGoesWrong:
         self.target = None
 
     def prepare(self, model) -> None:
-        from harness.prompts import load_prompts
+        from core.prompts import load_prompts
 
         self.inner.prepare(model)
         prompts, _ = load_prompts("dev", model)

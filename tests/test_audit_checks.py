@@ -9,7 +9,7 @@ import torch
 from audit import checks
 from audit.replay import AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, replay_prompt
 from audit.stream import BadInput, PromptRun
-from harness.schema import abba_roles
+from core.schema import abba_roles
 
 # --------------------------------------------------------------------------- builders
 

@@ -1,4 +1,4 @@
-"""The audit's import rule: harness.schema / models / determinism / errors / dist only; never
+"""The audit's import rule: core.schema / models / determinism / errors / dist only; never
 harness.timing, harness.cli or decoders, so the code under audit cannot vouch for itself.
 (tests/test_audit_replay.py checks the same after a whole audit run.)"""
 import ast
@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 AUDIT_DIR = Path(__file__).resolve().parent.parent / "audit"
-# harness.dist is allowed because `audit replay` under torchrun shards the replay exactly as
+# core.dist is allowed because `audit replay` under torchrun shards the replay exactly as
 # `harness time` shards the timing (prompt i -> rank i % world_size) and joins the same job the
 # same way; dist.py holds only that plumbing (environment, process group, store, sharding) and
 # imports no timing or decoder code, so it cannot vouch for what the audit judges.
-ALLOWED_HARNESS = {"harness.schema", "harness.models", "harness.determinism", "harness.errors", "harness.dist"}
+ALLOWED_HARNESS = {"core.schema", "core.models", "core.determinism", "core.errors", "core.dist"}
 
 
 def forbidden(name: str) -> bool:

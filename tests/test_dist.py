@@ -23,9 +23,9 @@ from audit import checks
 from audit.stream import BadInput, PromptRun, Run, validate_header
 from audit_helpers import read_records, run_audit, write_records
 from fixtures.prompts import DEV_PROMPTS
-from harness import dist
-from harness.errors import UserError
-from harness.schema import abba_roles, read_stream
+from core import dist
+from core.errors import UserError
+from core.schema import abba_roles, read_stream
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from fixtures.prompts import DEV_FILE, DEV_PROMPTS
-from harness import determinism
+from core import determinism
 from harness.cli import main
-from harness.schema import SCHEMA, abba_roles, read_stream
+from core.schema import SCHEMA, abba_roles, read_stream
 
 REPO = Path(__file__).resolve().parent.parent
 

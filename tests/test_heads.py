@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from harness.models import load_model
-from harness.prompts import load_prompts
-from heads import load_head
+from core.models import load_model
+from core.prompts import load_prompts
+from decoders.drafter import load_head
 from heads import train as T
 from heads.cli import main
 
@@ -159,7 +159,7 @@ def test_model_without_mtp_head(tmp_path, capsys):
 
     from safetensors.torch import load_file, save_file
 
-    from harness.models import TINY_DIR
+    from core.models import TINY_DIR
 
     ck = tmp_path / "nomtp"
     shutil.copytree(TINY_DIR, ck)
@@ -325,7 +325,7 @@ def test_corpus_prompt_sets_take_a_count(tiny):
     ("random-512:4", "takes no count"), ("no-such-set", "not a built-in prompt set"),
 ])
 def test_bad_prompt_set_specs_are_user_errors(tiny, spec, needle, tmp_path, capsys):
-    from harness.errors import UserError
+    from core.errors import UserError
 
     with pytest.raises(UserError, match=needle):
         load_prompts(spec, tiny)

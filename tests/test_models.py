@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from harness.cli import main
-from harness.errors import UserError
-from harness.models import TINY_DIR, load_model
+from core.errors import UserError
+from core.models import TINY_DIR, load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROGRESS_PREFIXES = ("loading model ", "timing ")
@@ -423,8 +423,8 @@ def test_cli_error_through_real_console_script(tmp_path):
 def test_small_is_the_trained_default_with_its_head_and_prompts():
     """The built-in default is the committed trained model: released layout, MTP head present,
     its own tokenizer, and the stdlib held-out prompts as its default set."""
-    from harness.models import DEFAULT_MODEL, load_model
-    from harness.prompts import default_prompt_set, load_prompts
+    from core.models import DEFAULT_MODEL, load_model
+    from core.prompts import default_prompt_set, load_prompts
 
     assert DEFAULT_MODEL == "small"
     model = load_model("small", "cpu")

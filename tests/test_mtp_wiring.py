@@ -3,7 +3,7 @@
 Every weight here is read straight from fixtures/tiny's safetensors files by its checkpoint name
 (``mtp.fc.weight``, ``mtp.layers.0.self_attn.q_proj.weight``, ...), never through the module, so a
 loader that put a tensor in the wrong slot, or a head that wires its inputs differently from the
-documented convention (harness/mtp.py), fails here:
+documented convention (core/mtp.py), fails here:
 
   fused  = fc(cat([RMSNorm_e(embed(t+1)), RMSNorm_h(h_t)]))     embedding half FIRST
   h_t    = the backbone's last hidden state AFTER its final norm (what feeds lm_head)
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from harness.models import TINY_DIR
-from harness.mtp import new_mtp_cache
+from core.models import TINY_DIR
+from core.mtp import new_mtp_cache
 
 PROMPT = [319, 284, 75, 404, 289, 345, 456, 284, 351, 315, 41, 310]
 

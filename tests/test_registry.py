@@ -6,7 +6,7 @@ import pytest
 import decoders
 from decoders import CONTROL, DEFAULT_DECODER, REGISTRY, get_decoder
 from decoders.base import DecodeResult, Decoder, DecodeStats
-from harness.errors import UserError
+from core.errors import UserError
 
 PROMPT = [319, 284, 75, 404, 289, 345, 456, 284]
 

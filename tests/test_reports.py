@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness.schema import SCHEMA, AtomicJsonlWriter, abba_roles, write_json_atomic
+from core.schema import SCHEMA, AtomicJsonlWriter, abba_roles, write_json_atomic
 from harness.timing import summarize_prompt
 from reports import figures as figures_mod
 from reports.cli import main as reports_main
@@ -368,7 +368,7 @@ def test_audit_that_could_not_replay_leaves_tokens_unverified(tiny_run):
 
 
 def test_edited_stream_is_flagged_and_raw_legs_win(tiny_run):
-    from harness.schema import dumps
+    from core.schema import dumps
 
     lines = (tiny_run / "stream.jsonl").read_text().splitlines()
     i = next(n for n, line in enumerate(lines) if '"type":"leg"' in line)

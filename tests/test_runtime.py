@@ -16,7 +16,7 @@ from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from decoders.fast_serial import FastSerialDecoder
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.runtime import ExactRuntime
-from harness.models import LoadedModel
+from core.models import LoadedModel
 
 
 def random_model(seed=7):

@@ -4,8 +4,8 @@ import shutil
 
 from decoders.shortlist import build, main
 from decoders.spec import SpecDecoder
-from harness.models import load_model
-from harness.prompts import load_prompts
+from core.models import load_model
+from core.prompts import load_prompts
 
 
 def test_build_sizes_and_fills(tiny):
@@ -20,7 +20,7 @@ def test_build_sizes_and_fills(tiny):
 
 
 def test_cli_writes_file_and_spec_finds_it_beside_checkpoint(tmp_path, tiny):
-    from harness.models import TINY_DIR
+    from core.models import TINY_DIR
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(TINY_DIR, ckpt)

@@ -1,4 +1,4 @@
-"""The small-model training pipeline (fixtures/corpus.py, fixtures/train_small.py) on a CPU.
+"""The small-model training pipeline (core/corpus.py, fixtures/train_small.py) on a CPU.
 
 The corpus split is by file, deterministic, and never overlaps; a ``--smoke`` run writes a
 checkpoint that the real loader loads, decodes and drafts with; the head's training forward is the
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures import corpus as corpus_mod
+from core import corpus as corpus_mod
 from fixtures import train_small as ts
 
 # --------------------------------------------------------------------------- corpus
@@ -114,7 +114,7 @@ def smoke_models():
 def test_training_forward_is_the_inference_head(smoke_models):
     """Row t of the training forward = MTPHead.forward fed one row at a time through its cache, as
     at inference: (post-norm h_t, token t+1) at position t, after rows 0..t-1."""
-    from harness.mtp import new_mtp_cache
+    from core.mtp import new_mtp_cache
 
     backbone, head = smoke_models
     ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
@@ -222,7 +222,7 @@ def smoke(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smoke_model(smoke):
-    from harness.models import load_model
+    from core.models import load_model
 
     return load_model(str(smoke[0]), "cpu")
 
@@ -347,7 +347,7 @@ def test_training_knobs_reach_the_preset_and_bad_ones_are_refused(monkeypatch):
 def _reference_runs(model, prompts, streams, depth):
     """Acceptance by brute force: for every position a fresh head cache, fed teacher rows 0..t in one
     causal call, then chained; one prompt at a time."""
-    from harness.mtp import new_mtp_cache
+    from core.mtp import new_mtp_cache
 
     lm, head = model.backbone, model.mtp
     out_rows = []
@@ -409,7 +409,7 @@ def test_acceptance_matches_brute_force(smoke, smoke_model, stdlib_corpus):
 def test_make_tiny_output_unchanged(tmp_path):
     """make_tiny's writer is shared with train_small; the committed tiny fixture must stay byte-identical."""
     from fixtures import make_tiny
-    from harness.models import TINY_DIR
+    from core.models import TINY_DIR
 
     make_tiny.write(tmp_path)
     written = sorted(tmp_path.iterdir())

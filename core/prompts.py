@@ -6,7 +6,7 @@ Built-in sets:
               such as synthetic-9b; random weights make any prompt equally meaningful)
   stdlib-train / stdlib-dev / stdlib-heldout
               snippets (~400 characters from a line start) of the running Python's standard library,
-              from one split of fixtures/corpus.py (the split the built-in `small` model was trained
+              from one split of core/corpus.py (the split the built-in `small` model was trained
               with): 512 / 32 / 10 prompts by default; NAME:N (e.g. stdlib-train:2048, any N >= 1)
               cuts N snippets instead: snippet k comes from file k mod (number of files) at a line
               start hashed from (path, k), so the first 512 of stdlib-train:N are stdlib-train and a
@@ -25,15 +25,17 @@ from pathlib import Path
 
 import torch
 
-from fixtures.prompts import DEV_FILE
-from harness.errors import UserError
+from core.errors import UserError
+from core.models import FIXTURES
+
+DEV_FILE = FIXTURES / "prompts" / "dev.jsonl"
 
 BUILTIN_PROMPTS = {
     "dev": "10 varied prompts (prose, code, lists, dialogue, math), tokenized with the model's tokenizer",
     "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
     "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
                           "for building shortlists and head data apart from the benchmark prompts",
-    "stdlib-train": "512 snippets of the Python stdlib's train split (fixtures/corpus.py), for heads train; "
+    "stdlib-train": "512 snippets of the Python stdlib's train split (core/corpus.py), for heads train; "
                     "stdlib-train:N cuts N (any N >= 1, e.g. stdlib-train:2048)",
     "stdlib-dev": "32 snippets of the Python stdlib's dev split (stdlib-dev:N for N)",
     "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only "
@@ -56,7 +58,7 @@ class Prompt:
 def corpus_prompts(split: str, count: int, chars: int = SNIPPET_CHARS) -> list[dict]:
     """``count`` snippets spread over a split's files (round-robin in path order), each starting at
     a line start chosen by a hash of (path, k): the same on every machine with the same stdlib."""
-    from fixtures.corpus import collect
+    from core.corpus import collect
 
     files = [f for f in collect().split(split) if len(f.text) > 2 * chars]
     if not files:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UserError
-from harness.mtp import MTPHead
+from core.errors import UserError
+from core.mtp import MTPHead
 
 DTYPE = torch.bfloat16
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

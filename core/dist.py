@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import DistError, Stopped, UserError  # noqa: F401 - re-exported
+from core.errors import DistError, Stopped, UserError  # noqa: F401 - re-exported
 
 DEFAULT_TIMEOUT_S = 1800
 POLL_S = 0.1
