@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -50,6 +51,29 @@ def abba_roles(legs: int) -> list[str]:
     for pair in range(legs):
         order += ["control", "candidate"] if pair % 2 == 0 else ["candidate", "control"]
     return order
+
+
+def prompt_ratio(control_walls: list[float], candidate_first_wall: float) -> float | None:
+    """A prompt's speed ratio: the control's median leg time over the candidate's first timed leg
+    (``leg == 0``), its first encounter with the prompt. Later candidate legs are recorded and
+    checked (warm legs, noise) but never make a prompt faster: a decoder that learns from a prompt
+    it has already decoded gains nothing here."""
+    if not control_walls or not candidate_first_wall or candidate_first_wall <= 0:
+        return None
+    return statistics.median(control_walls) / candidate_first_wall
+
+
+def leg_spread(walls: list[float]) -> float | None:
+    """How far one role's legs on one prompt are apart: slowest / fastest - 1 (None under 2 legs)."""
+    if len(walls) < 2 or min(walls) <= 0:
+        return None
+    return max(walls) / min(walls) - 1
+
+
+# A prompt is unstable when one role's legs spread by more than LEG_SPREAD_LIMIT, and a run when
+# more than UNSTABLE_RUN_SHARE of its prompts are: its ratio is within the machine's noise.
+LEG_SPREAD_LIMIT = 0.25
+UNSTABLE_RUN_SHARE = 0.25
 
 
 def dumps(record: dict) -> str:
