@@ -1,0 +1,222 @@
+"""Run one named benchmark set and print its table last: ``python bench/run.py SET --out DIR``.
+
+    python bench/run.py SET --out DIR [--configs A,B,...] [--timeout SECONDS] [--resume] [--archive FILE.tgz]
+
+Sets (``python bench/run.py --list`` prints them with their commands):
+
+  runtime     bench/runtime_bench.py on synthetic-9b: control, fast-serial step, verify windows
+              w = 1..8 and rollback, every runtime logit compared bit for bit with the control's
+  probe       bench/exactness_probe.py: verify windows replayed against serial steps, op class by op class
+  profile     bench/profile_runtime.py: kernel time and count per step, window, draft step and prefill
+  table       bench/spec_bench.py: the standard synthetic-9b configurations, each against the control
+              (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
+  small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
+              GPU: fast-serial and spec against the control, and spec side by side against fast-serial
+  tests-cuda  pytest -q -m cuda
+  suite       pytest -q
+
+Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
+and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
+configuration does not cost the others. The last thing printed is the set's table: the last
+markdown table of its final step (for pytest, its summary line).
+
+A GPU call is limited in time, so `table` can be run in parts (``--configs``) into one DIR;
+``--resume`` skips configurations whose stream is already there, and the audit and the table
+always cover everything in DIR/table. Directory names such as ``spec@fs`` may not survive a
+transfer tool: ``--archive FILE.tgz`` packs DIR into one file at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never the benchmark prompts
+
+# the standard table: every decoder against the control, the three acceptance levels of the
+# instrument, and the two side-by-side runs against fast-serial that the headline figures use
+TABLE_CONFIGS = ("fast-serial", "spec-naive", "spec", "inst-0.6", "inst-0.85", "inst-0.95", "spec@fs", "inst-0.85@fs")
+SMALL_CONFIGS = ("fast-serial", "spec", "spec@fs")
+# spec with a head that predicts nothing is within a few percent of fast-serial: one leg is noise
+LEGS = {"spec@fs": 3}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a set. ``key`` names its log; ``done`` (a path relative to DIR) skips the step
+    under --resume; ``ok`` are the exit codes that count as success."""
+    key: str
+    argv: tuple[str, ...]
+    done: str | None = None
+    ok: tuple[int, ...] = (0,)
+
+
+def spec_bench_steps(out: str, configs: list[str], common: list[str]) -> list[Step]:
+    """One spec_bench call per configuration (so each has its own log and timeout), then one audit
+    of every stream in the directory (each distinct prompt replayed once), then the table."""
+    steps = [Step(f"bench-{c.replace('@', '_at_')}",
+                  (PY, "bench/spec_bench.py", "--out", out, *common, "--no-audit", "--configs", c,
+                   "--legs", str(LEGS.get(c, 1))),
+                  done=f"{Path(out).name}/{c}/stream.jsonl")
+             for c in configs]
+    # exit 1 = findings (spec-naive is not exact, by design): the table shows them
+    steps.append(Step("audit", ("sh", "-c", f'{PY} -m audit replay "{out}"/*/stream.jsonl'), ok=(0, 1)))
+    steps.append(Step("table", (PY, "bench/spec_bench.py", "--out", out, "--table-only")))
+    return steps
+
+
+def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
+    if name == "runtime":
+        return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
+                                 "--json", str(out / "runtime.json")))]
+    if name == "probe":
+        return [Step("probe", (PY, "bench/exactness_probe.py", "--model", "synthetic-9b",
+                               "--prompt", "random-1,random-2,random-3", "-n", "256",
+                               "--scenarios", "partial,w2,partial+drafter", "--json", str(out / "probe.json")))]
+    if name == "profile":
+        return [Step("profile", (PY, "bench/profile_runtime.py", "--json", str(out / "profile.json")))]
+    if name == "table":
+        return spec_bench_steps(str(out / "table"), configs or list(TABLE_CONFIGS),
+                                ["--model", "synthetic-9b", "--prompts", "random-512", "--limit", "4", "-n", "256",
+                                 "--shortlist", SHORTLIST_9B])
+    if name == "small-real":
+        return spec_bench_steps(str(out / "small-real"), configs or list(SMALL_CONFIGS),
+                                ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
+    if name == "tests-cuda":
+        return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
+    if name == "suite":
+        return [Step("pytest", (PY, "-m", "pytest", "-q"))]
+    raise KeyError(name)
+
+
+SETS = ("runtime", "probe", "profile", "table", "small-real", "tests-cuda", "suite")
+CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
+
+
+def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | None, float]:
+    """Runs one step, copying its output line by line to the terminal and its log. Returns its
+    exit code (None when killed for running past ``timeout``) and its wall time."""
+    print(f"\n$ {' '.join(step.argv)}", flush=True)
+    t0 = time.monotonic()
+    killed = threading.Event()
+    with open(log_path, "w", encoding="utf-8") as log:
+        # own session: on a timeout the whole process group goes (a harness run spawns children)
+        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+        def kill():
+            killed.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill) if timeout else None
+        if timer:
+            timer.start()
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        rc = proc.wait()
+        if timer:
+            timer.cancel()
+    return (None if killed.is_set() else rc), time.monotonic() - t0
+
+
+def last_table(text: str) -> str:
+    """The last block of consecutive markdown table lines in ``text``, else its last line."""
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            blocks.append(current)
+            current = []
+    if current:
+        blocks.append(current)
+    if blocks:
+        return "\n".join(blocks[-1])
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def host_description() -> str:
+    lines = [f"host {platform.node()}", f"python {platform.python_version()}"]
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        lines += smi.stdout.strip().splitlines()
+    lines.append(time.strftime("started %Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("set", nargs="?", choices=SETS, metavar="SET", help=f"one of: {', '.join(SETS)}")
+    ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
+    ap.add_argument("--configs", default=None,
+                    help="table / small-real: a comma-separated subset of the configurations")
+    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="limit per step")
+    ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz", help="pack --out into one file at the end")
+    ap.add_argument("--list", action="store_true", help="print every set's commands and exit")
+    args = ap.parse_args()
+
+    if args.list:
+        for name in SETS:
+            print(f"{name}:")
+            for step in set_steps(name, Path("DIR"), None):
+                print("   ", " ".join(step.argv))
+        return 0
+    if args.set is None or args.out is None:
+        ap.error("SET and --out are required (or --list)")
+    configs = None
+    if args.configs is not None:
+        if args.set not in CONFIGURABLE:
+            ap.error(f"--configs applies to {' and '.join(CONFIGURABLE)} only")
+        configs = [c for c in args.configs.split(",") if c]
+        unknown = [c for c in configs if c not in CONFIGURABLE[args.set]]
+        if unknown:
+            ap.error(f"unknown configs for {args.set}: {', '.join(unknown)}; "
+                     f"known: {', '.join(CONFIGURABLE[args.set])}")
+
+    out = args.out.resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "host.txt").write_text(host_description(), encoding="utf-8")
+    print((out / "host.txt").read_text(), end="", flush=True)
+
+    steps = set_steps(args.set, out, configs)
+    results = []  # (key, status, seconds, succeeded)
+    for step in steps:
+        if args.resume and step.done and (out / step.done).is_file():
+            results.append((step.key, "kept (--resume)", 0.0, True))
+            continue
+        rc, seconds = run_step(step, out / "logs" / f"{step.key}.log", args.timeout)
+        results.append((step.key, "timed out" if rc is None else f"exit {rc}", seconds, rc in step.ok))
+
+    if args.archive:
+        args.archive.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(args.archive, "w:gz") as tar:
+            tar.add(out, arcname=out.name)
+
+    print(f"\n== {args.set}: steps")
+    for key, status, seconds, succeeded in results:
+        print(f"  {key:28s} {status:16s} {seconds:7.1f} s{'' if succeeded else '  FAILED'}")
+    final = out / "logs" / f"{steps[-1].key}.log"
+    print(f"\n== {args.set}: table ({final.relative_to(out)})")
+    print(last_table(final.read_text(encoding="utf-8")) if final.is_file() else "(final step did not run)")
+    return 0 if all(r[3] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
