@@ -9,16 +9,23 @@ One JSON object per line, each with a ``type``:
            (one {rank, device} per process; under torchrun also each rank's resident_bytes and
            candidate_config, since every rank prepared its own decoders). Files written before
            these two keys existed are one-process runs.
-  prompt   per prompt: id, token_ids (what every leg decoded from), text when known; under
-           torchrun (world_size > 1) also rank, the process that timed it: prompt i -> i % world_size.
+  prompt   per prompt: id, token_ids (what every leg decoded from), text when known, warmup_ids
+           (the other prompt of the same length both sides warmed up on); under torchrun
+           (world_size > 1) also rank, the process that timed it: prompt i -> i % world_size.
   leg      per timed decode: prompt_id, role ("control" | "candidate"), leg (0..L-1 within the
            role), order (0..2L-1 within the prompt: ABBA), t_start / t_end (monotonic seconds
            since its process began timing: one clock per rank), wall_s, tokens (every emitted
            id), peak_mem_bytes (null where not measured), stats (the decoder's own counters);
            under torchrun also rank.
   summary  per prompt, after its legs: the harness's own medians and ratio.
+  violation  where the harness found its own process tampered with (``integrity_checked`` in
+           the header says it looked): at (after prepare / after leg K of prompt ID) and problem
+           (what changed). The audit fails a run on any.
   end      once, last: number of records before it and the sha256 of their bytes, so a
            truncated or hand-edited file is detectable; and the harness's median ratio.
+
+Reading is strict: every number finite and inside int64 (``1e999``, ``NaN``, a 400-digit integer
+are refused), nesting at most ``MAX_DEPTH`` deep, so that a hostile file is one clean error.
 
 Files are written atomically (a temporary file renamed into place at the end), so an
 interrupted run leaves no ``stream.jsonl`` at all rather than one that looks complete. Under
@@ -34,10 +41,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import jsonlines
+
 SCHEMA = "qwen35-exact/stream/1"
 KNOWN_SCHEMAS = (SCHEMA,)
 ROLES = ("control", "candidate")
-RECORD_TYPES = ("header", "prompt", "leg", "summary", "end")
+RECORD_TYPES = ("header", "prompt", "leg", "summary", "violation", "end")
+# deepest nesting of objects and lists a record may have (a header's decoder config is ~5)
+MAX_DEPTH = 32
+# integers beyond int64 are refused: no field of a stream needs more
+MAX_INT_DIGITS = 19
 
 
 class StreamFormatError(ValueError):
@@ -80,6 +93,20 @@ def dumps(record: dict) -> str:
     return json.dumps(record, sort_keys=True, allow_nan=False, separators=(",", ":"))
 
 
+class _DigestingText:
+    """A text sink that hashes what passes through it on its way to the file."""
+
+    def __init__(self, fh, digest):
+        self.fh, self.digest = fh, digest
+
+    def write(self, text: str) -> int:
+        self.digest.update(text.encode())
+        return self.fh.write(text)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 class AtomicJsonlWriter:
     """Collects lines in a temporary file beside ``path``; ``commit`` renames it into place.
     Leaving the ``with`` block by an exception deletes the temporary file."""
@@ -91,14 +118,12 @@ class AtomicJsonlWriter:
         self.tmp = Path(tmp)
         self.fh = os.fdopen(fd, "w", encoding="utf-8")
         self.digest = hashlib.sha256()
+        self.lines = jsonlines.Writer(_DigestingText(self.fh, self.digest), dumps=dumps, flush=True)
         self.count = 0
         self.committed = False
 
     def write(self, record: dict) -> None:
-        line = dumps(record) + "\n"
-        self.fh.write(line)
-        self.fh.flush()
-        self.digest.update(line.encode())
+        self.lines.write(record)
         self.count += 1
 
     def write_end(self, **fields) -> None:
@@ -144,6 +169,56 @@ def write_json_atomic(path: Path, obj) -> None:
 # --------------------------------------------------------------------------- reading
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"non-finite number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite number {text[:40]} (beyond a double's range)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    value = int(text) if digits <= MAX_INT_DIGITS else None
+    if value is None or not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"integer of {digits} digits, beyond int64")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
+
+
+def nesting_depth(value, limit: int = MAX_DEPTH) -> int:
+    """Depth of nested objects and lists (a scalar is 0), counted without recursion; stops
+    counting once past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def loads(text: str):
+    """One JSON value under the stream's rules: finite numbers inside int64, at most MAX_DEPTH
+    levels deep. Anything else is a ValueError (also for nesting too deep for the parser)."""
+    try:
+        value = _DECODER.decode(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    if nesting_depth(value) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -162,11 +237,16 @@ def check_record(rec: dict, lineno: int) -> None:
                  f"unknown schema version {rec.get('schema')!r} (this tool reads {', '.join(KNOWN_SCHEMAS)})")
         for key in ("model", "device", "determinism", "control", "candidate", "max_new_tokens", "legs"):
             _require(key in rec, lineno, f"header lacks {key!r}")
+        _require(isinstance(rec.get("integrity_checked", False), bool), lineno,
+                 "header integrity_checked must be true or false")
     elif kind == "prompt":
         _require(isinstance(rec.get("id"), str) and rec["id"] != "", lineno, "prompt without a string id")
         ids = rec.get("token_ids")
         _require(isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids), lineno,
                  "prompt token_ids must be a non-empty list of integers")
+        warm = rec.get("warmup_ids", [0])
+        _require(isinstance(warm, list) and warm and all(isinstance(t, int) for t in warm), lineno,
+                 "prompt warmup_ids must be a non-empty list of integers")
     elif kind == "leg":
         _require(isinstance(rec.get("prompt_id"), str), lineno, "leg without prompt_id")
         _require(rec.get("role") in ROLES, lineno, f"leg role {rec.get('role')!r} is not control/candidate")
@@ -184,9 +264,17 @@ def check_record(rec: dict, lineno: int) -> None:
         _require(isinstance(rec.get("prompt_id"), str), lineno, "summary without prompt_id")
         for key in ("control_median_s", "candidate_median_s", "ratio"):
             _require(_finite(rec.get(key)), lineno, f"summary {key} is missing or not finite")
+    elif kind == "violation":
+        _require(isinstance(rec.get("at"), str) and isinstance(rec.get("problem"), str), lineno,
+                 "violation record needs string 'at' and 'problem'")
     elif kind == "end":
         _require(isinstance(rec.get("records"), int) and isinstance(rec.get("sha256"), str), lineno,
                  "end record needs 'records' and 'sha256'")
+
+
+def _reason(exc: jsonlines.InvalidLineError) -> str:
+    cause = exc.__cause__
+    return str(cause) if cause is not None else exc.args[0]
 
 
 def read_stream(path: Path) -> tuple[list[dict], dict]:
@@ -199,26 +287,39 @@ def read_stream(path: Path) -> tuple[list[dict], dict]:
     if not raw.strip():
         raise StreamFormatError(f"{path}: empty file")
     lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
+    terminated = lines[-1] == b""
+    if terminated:
         lines.pop()
-    else:
-        raise StreamFormatError(f"line {len(lines)}: last line is not newline-terminated (truncated file?)")
-    records, digest, end_check = [], hashlib.sha256(), None
-    for i, line in enumerate(lines, start=1):
+    digest = hashlib.sha256()
+
+    def digested():  # a line enters the digest once the next one is asked for: the end record's
+        for line in lines:  # check sees the digest of the lines before it
+            yield line
+            digest.update(line + b"\n")
+
+    reader = jsonlines.Reader(digested(), loads=loads)
+    records, end_check = [], None
+    truncated = f"line {len(lines)}: last line is not newline-terminated (truncated file?)"
+    for i in range(1, len(lines) + 1):
+        if i > 1 and i == len(lines) and not terminated:
+            raise StreamFormatError(truncated)
         try:
-            rec = json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"non-finite {c}")))
-        except ValueError as exc:
-            raise StreamFormatError(f"line {i}: not valid JSON ({exc})") from None
-        _require(isinstance(rec, dict), i, "not a JSON object")
+            rec = reader.read(type=dict)
+        except jsonlines.InvalidLineError as exc:
+            if i == 1:  # random bytes, another format: say what the file is not
+                raise StreamFormatError(f"not a stream.jsonl: line 1 is not a JSON object ({_reason(exc)})") from None
+            raise StreamFormatError(f"line {i}: not valid JSON ({_reason(exc)})") from None
+        if i == 1:
+            if rec.get("type") != "header":
+                raise StreamFormatError("not a stream.jsonl: the first record is not a header")
+            if len(lines) == 1 and not terminated:
+                raise StreamFormatError(truncated)
         check_record(rec, i)
         if rec["type"] == "end":
             _require(i == len(lines), i, "end record is not the last line")
             end_check = {"present": True, "count_ok": rec["records"] == len(records),
                          "sha256_ok": rec["sha256"] == digest.hexdigest()}
-        if i == 1:
-            _require(rec["type"] == "header", i, "first record must be the header")
-        else:
+        if i > 1:
             _require(rec["type"] != "header", i, "a second header")
         records.append(rec)
-        digest.update(line + b"\n")
     return records, end_check or {"present": False, "count_ok": False, "sha256_ok": False}
