@@ -6,6 +6,7 @@ imports ``attr`` (a class or a zero-argument factory) so any decoder can be plug
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from core.errors import UserError
 
@@ -85,7 +86,31 @@ def get_decoder(spec: str, **kwargs):
     except (TypeError, ValueError) as exc:
         if not kwargs:
             raise
-        raise UserError(f"decoder {spec!r} rejected its arguments {kwargs}: {exc}") from None
+        # name the arguments the constructor takes, from its signature (and its bases' where it
+        # passes **kwargs on), rather than Python's TypeError
+        import inspect
+
+        targets = [k for k in factory.__mro__[:-1] if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
+        takes, open_ended, readable = {}, True, True
+        for target in targets:
+            if not open_ended:
+                break
+            try:
+                params = inspect.signature(target).parameters.values()
+            except (TypeError, ValueError):  # no readable signature: name nothing
+                readable = False
+                break
+            for p in params:
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in takes:
+                    takes[p.name] = p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+            open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
+        listing = (", ".join(takes.values()) or "none") if readable else "unknown (no readable signature)"
+        given = " ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        unknown = [k for k in kwargs if k not in takes]
+        if unknown and readable and not open_ended:
+            raise UserError(f"decoder {spec!r} takes no argument {', '.join(map(repr, unknown))} "
+                            f"(--decoder-arg {given}); its arguments: {listing}") from None
+        raise UserError(f"decoder {spec!r} rejected --decoder-arg {given}: {exc}; its arguments: {listing}") from None
     for attr in ("name", "prepare", "decode", "config"):
         if not hasattr(decoder, attr):
             raise UserError(f"decoder {spec!r} does not follow the protocol: it has no {attr!r}")
