@@ -88,8 +88,6 @@ def get_decoder(spec: str, **kwargs):
             raise
         # name the arguments the constructor takes, from its signature (and its bases' where it
         # passes **kwargs on), rather than Python's TypeError
-        import inspect
-
         targets = [k for k in factory.__mro__[:-1] if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
         takes, open_ended, readable = {}, True, True
         for target in targets:
