@@ -36,6 +36,9 @@ class Divergence:
     top5: list  # [[token_id, logit], ...] of the logits at this position ([] when none exist)
     margin: float | None  # top-1 minus top-2 logit (None when no logits exist)
     reason: str
+    # the emitted token's own logit (None when it has none: a stop divergence, or an id outside
+    # the vocabulary); not part of audit.json, which reports the margin alone
+    emitted_logit: float | None = None
 
     @property
     def check(self) -> str:
@@ -80,14 +83,29 @@ def greedy_and_top(logits: torch.Tensor) -> tuple[int, list, float | None]:
     return greedy, top, margin
 
 
+def logit_of(logits: torch.Tensor, token: int) -> float | None:
+    return float(logits[token]) if 0 <= token < logits.numel() else None
+
+
+def teacher_forced_logits(stepper, prompt_ids: list[int], forced: list[int]) -> torch.Tensor:
+    """The logits serial decoding computes after ``prompt_ids`` + ``forced``, whatever those tokens
+    are: the prompt prefilled, then one forward per forced token, as the walk steps."""
+    logits = stepper.start(prompt_ids)
+    for token in forced:
+        logits = stepper.step(token)
+    return logits
+
+
 def replay_prompt(stepper, prompt_ids: list[int], streams: list[tuple[int, ...]], max_new_tokens: int,
-                  eos: set[int], progress=None) -> tuple[dict[tuple, Divergence | None], list[int]]:
+                  eos: set[int], progress=None, observe=None) -> tuple[dict[tuple, Divergence | None], list[int]]:
     """Check every distinct stream against serial greedy decoding of ``prompt_ids``.
 
     Returns ({stream: first Divergence or None}, the greedy tokens computed). Rules: at every
     position the emitted token is the argmax; a stream stops exactly where serial stops, right
     after the first EOS or at N tokens (so shorter than N means ending in EOS, no EOS before the
-    last token, never longer than N).
+    last token, never longer than N). ``audit replay`` and ``audit tokens`` both judge with this
+    function. ``observe(position, logits)``, when given, sees the logits of every position the
+    walk computes, for callers that look at positions where no stream diverged.
     """
     result: dict[tuple, Divergence | None] = {s: None for s in streams}
     alive = list(dict.fromkeys(streams))
@@ -99,12 +117,14 @@ def replay_prompt(stepper, prompt_ids: list[int], streams: list[tuple[int, ...]]
     while True:
         g, top, margin = greedy_and_top(logits)
         greedy_path.append(g)
+        if observe:
+            observe(i, logits)
         still = []
         for s in alive:
             if len(s) == i:
                 result[s] = Divergence(i, None, g, top, margin, ENDS_EARLY)
             elif s[i] != g:
-                result[s] = Divergence(i, s[i], g, top, margin, NOT_ARGMAX)
+                result[s] = Divergence(i, s[i], g, top, margin, NOT_ARGMAX, logit_of(logits, s[i]))
             else:
                 still.append(s)
         alive = still

@@ -1,0 +1,520 @@
+"""``audit tokens FILE --model M``: any engine's greedy output against the pristine serial control.
+
+FILE is a jsonl of generations in one of three shapes, read as they are (``read_generations``):
+
+  (a) {"id"?, "prompt_token_ids": [...] | "prompt": "text", "output_token_ids": [...]}
+  (b) a serving engine's request output: {"prompt_token_ids": [...], "outputs": [{"token_ids": [...]}, ...]}
+  (c) what ``generate`` returns: {"sequences": [[prompt + output ids], ...], "prompt_token_ids" | "prompt_length"}
+
+Every output is checked by ``audit.replay.replay_prompt``, the function ``audit replay`` judges
+streams with: each emitted token must be the argmax of the pristine serial path's logits, and the
+output must stop where serial decoding stops (right after the first EOS, or at N tokens). N is the
+longest output unless given. A divergence is a near-tie when the pristine logit of the greedy
+token exceeds the emitted token's by at most the tolerance (default: ``TIE_ULPS`` ulps of the
+logits' dtype at the top-1 logit), so it can come from the order of the arithmetic alone; above
+it, or at a stop, it is real.
+
+With a reference file (the same engine without speculation) each pair of outputs is compared
+where they first part, and the pristine path says there which of them is greedy and by what margin:
+speculation changed the output, or the engine was not greedy-exact before speculation.
+
+The document written is ``"kind": "tokens-audit"`` (``build_document``); ``reports render`` draws it.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import jsonlines
+import torch
+
+from core.errors import UserError
+from core.models import device_name, load_model
+from core.schema import write_json_atomic
+
+from audit.checks import first_difference
+from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, greedy_and_top, logit_of,
+                          replay_prompt, teacher_forced_logits)
+
+KIND = "tokens-audit"
+SCHEMA = "qwen35-exact/tokens-audit/1"
+DEFAULT_NAME = "audit_tokens.json"
+EXIT_EXACT, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
+
+# Default near-tie tolerance, in ulps of the logits' dtype (bf16) at the top-1 logit's magnitude.
+# The logits are rounded to bf16 once at the output, which alone moves each of two logits by up to
+# half an ulp (1 ulp on their difference). A legitimate kernel that sums in another order (a batched
+# verify GEMM, a split reduction) rounds the bf16 hidden state feeding lm_head differently, which
+# moves a logit by about one more ulp of its own size (bf16 keeps 8 significant bits), in either
+# direction for each of the two logits: 1 + 2 * 1 = 3 ulps, rounded up to 4. A larger gap needs a
+# difference beyond summation order: a different token history, a wrong cache, a skipped op.
+TIE_ULPS = 4
+
+NEAR_TIE, REAL, STOP = "near-tie", "real", "stop"
+VERDICT_EXACT, VERDICT_TIES, VERDICT_REAL = "exact", "near-ties only", "real divergences"
+STOP_TEXT = {AFTER_EOS: "ran past an EOS", ENDS_EARLY: "stopped early (before N, no EOS)",
+             TOO_LONG: "longer than N"}
+
+
+@dataclass
+class Generation:
+    """One output to audit, with where it came from in the file."""
+
+    id: str
+    line: int
+    output: list[int]
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    explicit_id: bool = False
+    padded: bool = False  # shape (c): ``generate`` pads finished rows after their EOS
+
+
+@dataclass
+class TokensOptions:
+    """Every `audit tokens` option, named once."""
+
+    file: Path
+    model: str
+    device: str | None = None
+    out: Path | None = None
+    tie_margin: float | None = None  # None: TIE_ULPS ulps at the top-1 logit
+    reference: Path | None = None
+    limit: int | None = None
+    max_new_tokens: int | None = None  # None: the longest output
+
+
+@dataclass
+class Walked:
+    """What the pristine walk of one prompt left for the outputs that share it."""
+
+    results: dict
+    logits_at: dict = field(default_factory=dict)  # position -> logits, where a reference pair parts
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_generations(path: Path, limit: int | None = None) -> list[Generation]:
+    """Every generation in ``path`` (the first ``limit`` records), or UserError naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    lineno = 0
+
+    def numbered(fh):  # the reader takes one line per record: after a read, lineno is its line
+        nonlocal lineno
+        for lineno, line in enumerate(fh, start=1):
+            yield line
+
+    gens: list[Generation] = []
+    records = 0
+    try:
+        with open(path, encoding="utf-8") as fh, jsonlines.Reader(numbered(fh)) as reader:
+            while limit is None or records < limit:
+                try:
+                    rec = reader.read(skip_empty=True)
+                except EOFError:
+                    break
+                records += 1
+                if not isinstance(rec, dict):
+                    raise UserError(f"{path} line {lineno}: not a JSON object")
+                gens += generations_of(rec, f"{path} line {lineno}", lineno)
+    except jsonlines.InvalidLineError as exc:
+        raise UserError(f"{path} line {exc.lineno}: not valid JSON") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not gens:
+        raise UserError(f"{path}: no generations")
+    seen: dict[str, int] = {}
+    for g in gens:
+        if g.id in seen:
+            raise UserError(f"{path} line {g.line}: id {g.id!r} already used on line {seen[g.id]}")
+        seen[g.id] = g.line
+    return gens
+
+
+def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
+    """One record's generations: one for shape (a), one per output or sequence for (b) and (c)."""
+    raw_id = rec.get("id", rec.get("request_id"))
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == ""):
+        raise UserError(f"{where}: 'id' must be a non-empty string or an integer")
+    base = str(raw_id) if raw_id is not None else f"line-{lineno}"
+    if "sequences" in rec:
+        outputs, prompt_ids, text = split_sequences(rec, where)
+        padded = True
+    elif "outputs" in rec:
+        outs = rec["outputs"]
+        if not isinstance(outs, list) or not outs:
+            raise UserError(f"{where}: 'outputs' must be a non-empty list of {{\"token_ids\": [...]}}")
+        outputs = []
+        for k, o in enumerate(outs):
+            if not isinstance(o, dict) or "token_ids" not in o:
+                raise UserError(f"{where}: outputs[{k}] lacks 'token_ids'")
+            outputs.append(token_list(o["token_ids"], f"{where}: outputs[{k}].token_ids", allow_empty=True))
+        prompt_ids, text = prompt_of(rec, where)
+        padded = False
+    elif "output_token_ids" in rec:
+        outputs = [token_list(rec["output_token_ids"], f"{where}: 'output_token_ids'", allow_empty=True)]
+        prompt_ids, text = prompt_of(rec, where)
+        padded = False
+    else:
+        raise UserError(f"{where}: lacks 'output_token_ids' (or 'outputs', or 'sequences'): no output to audit")
+    many = len(outputs) > 1
+    return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded)
+            for k, out in enumerate(outputs)]
+
+
+def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
+    """Token ids when given (a serving engine records both), else the text, encoded later."""
+    if "prompt_token_ids" in rec:
+        return token_list(rec["prompt_token_ids"], f"{where}: 'prompt_token_ids'"), None
+    if "prompt" in rec:
+        text = rec["prompt"]
+        if not isinstance(text, str) or not text:
+            raise UserError(f"{where}: 'prompt' must be a non-empty string")
+        return None, text
+    raise UserError(f"{where}: lacks 'prompt_token_ids' (or 'prompt' text)")
+
+
+def split_sequences(rec: dict, where: str) -> tuple[list[list[int]], list[int], None]:
+    seqs = rec["sequences"]
+    if isinstance(seqs, list) and seqs and all(isinstance(t, int) and not isinstance(t, bool) for t in seqs):
+        seqs = [seqs]  # one sequence, not nested
+    if not isinstance(seqs, list) or not seqs:
+        raise UserError(f"{where}: 'sequences' must be a non-empty list of token-id lists")
+    seqs = [token_list(s, f"{where}: sequences[{k}]") for k, s in enumerate(seqs)]
+    if "prompt_token_ids" in rec:
+        prompt = token_list(rec["prompt_token_ids"], f"{where}: 'prompt_token_ids'")
+        for k, s in enumerate(seqs):
+            if s[:len(prompt)] != prompt:
+                raise UserError(f"{where}: sequences[{k}] does not start with 'prompt_token_ids'")
+    elif "prompt_length" in rec:
+        length = rec["prompt_length"]
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= min(map(len, seqs)):
+            raise UserError(f"{where}: 'prompt_length' must be an integer from 1 to the shortest sequence's length")
+        prompt = seqs[0][:length]
+        for k, s in enumerate(seqs):
+            if s[:length] != prompt:
+                raise UserError(f"{where}: sequences[{k}] has another prompt than sequences[0]")
+    else:
+        raise UserError(f"{where}: lacks 'prompt_token_ids' (or 'prompt_length') to split 'sequences'")
+    return [s[len(prompt):] for s in seqs], prompt, None
+
+
+def token_list(value, where: str, allow_empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise UserError(f"{where} must be a list of non-negative integer token ids")
+    if not value and not allow_empty:
+        raise UserError(f"{where} is empty")
+    return list(value)
+
+
+def resolve(gens: list[Generation], model, path: Path) -> None:
+    """Encode text prompts (no chat template), check every id against the vocabulary, and drop
+    ``generate``'s padding after an EOS (its pad is an EOS id in Qwen's configs)."""
+    eos = set(model.eos_token_ids)
+    for g in gens:
+        where = f"{path} line {g.line}"
+        if g.prompt_ids is None:
+            if model.tokenizer is None:
+                raise UserError(f"{where}: the prompt is text, but model {model.name} has no tokenizer; "
+                                "give 'prompt_token_ids'")
+            g.prompt_ids = list(model.tokenizer.get().encode(g.prompt_text))
+            if not g.prompt_ids:
+                raise UserError(f"{where}: 'prompt' tokenizes to nothing")
+        bad = [t for t in g.prompt_ids + g.output if t >= model.vocab_size]
+        if bad:
+            raise UserError(f"{where}: token id {bad[0]} outside the model's vocabulary (0..{model.vocab_size - 1})")
+        if g.padded:
+            first = next((i for i, t in enumerate(g.output) if t in eos), None)
+            if first is not None and all(t in eos for t in g.output[first:]):
+                g.output = g.output[:first + 1]
+
+
+def pair_with_reference(gens: list[Generation], refs: list[Generation], ref_path: Path
+                        ) -> tuple[dict[str, Generation | None], str]:
+    """Each generation's counterpart: by id when both files name every record, else by position."""
+    if all(g.explicit_id for g in gens + refs):
+        by_id = {r.id: r for r in refs}
+        return {g.id: by_id.get(g.id) for g in gens}, "id"
+    return {g.id: refs[i] if i < len(refs) else None for i, g in enumerate(gens)}, "line"
+
+
+def check_same_prompts(gens: list[Generation], pairs: dict, ref_path: Path, path: Path) -> None:
+    for g in gens:
+        r = pairs[g.id]
+        if r is not None and r.prompt_ids != g.prompt_ids:
+            raise UserError(f"{ref_path} line {r.line}: its prompt differs from {path} line {g.line}'s "
+                            f"(id {g.id!r}); the two files must hold the same requests")
+
+
+# --------------------------------------------------------------------------- classifying
+
+
+def ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s values at magnitude |x| (an ulp)."""
+    info = torch.finfo(dtype)
+    return info.eps * 2.0 ** math.floor(math.log2(max(abs(x), info.tiny)))
+
+
+def tolerance(top1: float, dtype: torch.dtype, fixed: float | None) -> float:
+    return fixed if fixed is not None else TIE_ULPS * ulp(top1, dtype)
+
+
+def classify(gap: float | None, tol: float) -> str:
+    return NEAR_TIE if gap is not None and gap <= tol else REAL
+
+
+def divergence_json(d, dtype: torch.dtype, fixed: float | None) -> dict:
+    """A first divergence as the document records it, with its class."""
+    out = {"position": d.position, "emitted": d.emitted, "greedy": d.greedy, "top5": d.top5, "margin": d.margin,
+           "reason": d.reason}
+    if d.reason != NOT_ARGMAX:
+        out.update({"gap": None, "tolerance": None, "class": STOP, "stop": STOP_TEXT[d.reason]})
+        return out
+    # the greedy token's logit over the emitted one's: the margin itself when the emitted token is
+    # the runner-up, larger when the engine took a token further down
+    gap = d.top5[0][1] - d.emitted_logit if d.emitted_logit is not None else None
+    tol = tolerance(d.top5[0][1], dtype, fixed)
+    out.update({"gap": gap, "tolerance": tol, "class": classify(gap, tol), "stop": None})
+    return out
+
+
+def verdict(counts: dict) -> str:
+    """Real divergences (stops included) dominate near-ties."""
+    if counts[REAL] or counts[STOP]:
+        return VERDICT_REAL
+    return VERDICT_TIES if counts[NEAR_TIE] else VERDICT_EXACT
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int], log) -> tuple[dict, int, float]:
+    """One pristine walk per distinct prompt for all its outputs (``replay_prompt``). Keeps the
+    logits at the positions where a generation parts from its reference. Returns
+    ({prompt ids: Walked}, positions computed, seconds)."""
+    stepper = PristineSerial(model)
+    eos = set(model.eos_token_ids)
+    groups: dict[tuple, list[Generation]] = {}
+    for g in gens:
+        groups.setdefault(tuple(g.prompt_ids), []).append(g)
+    walked, positions, t0 = {}, 0, time.perf_counter()
+    for k, (prompt, members) in enumerate(groups.items(), start=1):
+        wanted = {partings[g.id] for g in members if g.id in partings}
+        kept: dict[int, torch.Tensor] = {}
+
+        def observe(i, logits, wanted=wanted, kept=kept):
+            if i in wanted:
+                kept[i] = logits.float().clone()
+
+        results, greedy = replay_prompt(stepper, list(prompt), [tuple(g.output) for g in members], n, eos,
+                                        observe=observe)
+        walked[prompt] = Walked(results, kept)
+        positions += len(greedy)
+        if log:
+            diverged = sum(results[tuple(g.output)] is not None for g in members)
+            log(f"tokens [{k}/{len(groups)}] {members[0].id}: {len(greedy)} positions, {len(members)} output(s), "
+                f"{'exact' if not diverged else f'{diverged} diverge'}")
+    return walked, positions, time.perf_counter() - t0
+
+
+def parting_json(model, g: Generation, ref: Generation, div, walked: Walked, dtype, fixed, n: int) -> dict:
+    """Where ``g`` and its reference first part, and what the pristine path says there."""
+    k = first_difference(g.output, ref.output)
+    base = {"reference_line": ref.line, "reference_id": ref.id}
+    if k is None:
+        return {**base, "parts": False}
+    prefix = g.output[:k]
+    ours = g.output[k] if k < len(g.output) else None
+    theirs = ref.output[k] if k < len(ref.output) else None
+    out = {**base, "parts": True, "position": k, "emitted": ours, "reference": theirs}
+    # the shared prefix is greedy up to the parting unless our own divergence comes before it
+    greedy_prefix = div is None or div.position >= k
+    if greedy_prefix:
+        out["prefix"] = "greedy"
+    else:
+        out["prefix"] = f"departs from greedy at position {div.position}"
+    eos = set(model.eos_token_ids)
+    if (prefix and prefix[-1] in eos) or k >= n:
+        out.update({"greedy": None, "top5": [], "margin": None, "gap": None, "tolerance": None, "class": STOP,
+                    "cause": cause(greedy_prefix, None, ours, theirs)})
+        return out
+    logits = walked.logits_at.get(k) if greedy_prefix else None
+    if logits is None:  # the walk went elsewhere: teacher-force the shared prefix
+        logits = teacher_forced_logits(PristineSerial(model), g.prompt_ids, prefix).float()
+    greedy, top, margin = greedy_and_top(logits)
+    off = [t for t in (ours, theirs) if t is not None and t != greedy]
+    gap = top[0][1] - min(logit_of(logits, t) for t in off) if off else None
+    tol = tolerance(top[0][1], dtype, fixed)
+    out.update({"greedy": greedy, "top5": top, "margin": margin, "gap": gap, "tolerance": tol,
+                "class": classify(gap, tol) if off and all(t is not None for t in (ours, theirs)) else STOP,
+                "cause": cause(greedy_prefix, greedy, ours, theirs)})
+    return out
+
+
+def cause(greedy_prefix: bool, greedy: int | None, ours: int | None, theirs: int | None) -> str:
+    if not greedy_prefix:
+        return "engine not greedy-exact: both outputs left the greedy path before they part"
+    if theirs == greedy:
+        return "speculation changed the output: the reference is greedy here, this output is not"
+    if ours == greedy:
+        return "engine not greedy-exact: the reference leaves the greedy path here, this output does not"
+    return "both leave the greedy path here"
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pairs: dict | None, matched_by,
+                   model, dev: str, n: int, replay: dict) -> dict:
+    dtype = model.backbone.get_output_embeddings().weight.dtype
+    entries = []
+    counts = {"exact": 0, NEAR_TIE: 0, REAL: 0, STOP: 0}
+    for g in gens:
+        div = walked[tuple(g.prompt_ids)].results[tuple(g.output)]
+        first = divergence_json(div, dtype, opts.tie_margin) if div else None
+        counts["exact" if first is None else first["class"]] += 1
+        entry = {"id": g.id, "line": g.line, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output),
+                 "exact": first is None, "ends_with_eos": bool(g.output) and g.output[-1] in model.eos_token_ids,
+                 "first_divergence": first}
+        if pairs is not None:
+            ref = pairs[g.id]
+            entry["reference"] = (parting_json(model, g, ref, div, walked[tuple(g.prompt_ids)], dtype, opts.tie_margin, n)
+                                  if ref is not None else None)
+        entries.append(entry)
+    doc = {
+        "kind": KIND,
+        "schema": SCHEMA,
+        "file": str(opts.file),
+        "file_sha256": sha256_file(opts.file),
+        "model": model.identity,
+        "replay": {**replay, "path": "pristine-serial", "device": device_name(torch.device(dev))},
+        "max_new_tokens": n,
+        "n_from": "-n" if opts.max_new_tokens else "longest output",
+        "eos_token_ids": list(model.eos_token_ids),
+        "tie_margin": ({"mode": "fixed", "value": opts.tie_margin} if opts.tie_margin is not None
+                       else {"mode": "ulps", "ulps": TIE_ULPS, "dtype": str(dtype).removeprefix("torch.")}),
+        "generations": entries,
+        "counts": {"generations": len(entries), **counts},
+        "verdict": verdict(counts),
+    }
+    if pairs is not None:
+        parted = [e["reference"] for e in entries if e["reference"] and e["reference"]["parts"]]
+        doc["reference"] = {"file": str(opts.reference), "file_sha256": sha256_file(opts.reference),
+                            "matched_by": matched_by,
+                            "unmatched": sum(e["reference"] is None for e in entries),
+                            "parted": len(parted),
+                            "speculation_changed": sum(p["cause"].startswith("speculation") for p in parted)}
+    return doc
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- table
+
+
+def fmt(x, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def divergence_text(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    if d["class"] == STOP:
+        return f"@{d['position']}: {d['stop']}"
+    return f"@{d['position']}: {d['emitted']} vs greedy {d['greedy']}"
+
+
+def parting_text(p: dict | None) -> str:
+    if p is None:
+        return "no counterpart"
+    if not p["parts"]:
+        return "same output"
+    greedy = "serial stops" if p["greedy"] is None else f"greedy {p['greedy']}"
+    return f"@{p['position']}: {p['emitted']} vs ref {p['reference']}, {greedy} ({p['class']}); {p['cause']}"
+
+
+def render_table(doc: dict) -> str:
+    rows = [("id", "tokens", "exact", "first divergence", "margin", "gap", "tolerance", "class")]
+    for e in doc["generations"]:
+        d = e["first_divergence"]
+        rows.append((e["id"], str(e["output_tokens"]), "yes" if e["exact"] else "NO", divergence_text(d),
+                     fmt(d and d["margin"]), fmt(d and d["gap"]), fmt(d and d["tolerance"]), d["class"] if d else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i in (1, 4, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+                       ).rstrip() for r in rows]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    if "reference" in doc:
+        lines += ["", "against the reference:"]
+        lines += [f"  {e['id']}: {parting_text(e['reference'])}" for e in doc["generations"]]
+    c, tm, rp = doc["counts"], doc["tie_margin"], doc["replay"]
+    tol = f"{tm['ulps']} ulps of {tm['dtype']} at the top-1 logit" if tm["mode"] == "ulps" else f"{tm['value']:g}"
+    lines += ["", f"N = {doc['max_new_tokens']} ({doc['n_from']}); near-tie tolerance: {tol}",
+              f"replay: {rp['tokens_replayed']} positions in {rp['seconds']:.2f} s on {rp['device']} via {rp['path']}",
+              f"{c['generations']} generations: {c['exact']} exact, {c[NEAR_TIE]} near-tie, {c[REAL]} real, "
+              f"{c[STOP]} stop"]
+    if "reference" in doc:
+        r = doc["reference"]
+        lines.append(f"reference {r['file']} (matched by {r['matched_by']}): {r['parted']} part, "
+                     f"{r['speculation_changed']} where speculation changed a greedy output"
+                     + (f", {r['unmatched']} without a counterpart" if r["unmatched"] else ""))
+    lines.append(f"verdict: {doc['verdict'].upper()}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_tokens_audit(opts: TokensOptions, log=None) -> int:
+    """The whole `audit tokens`; returns the exit code. Bad input raises UserError before anything
+    is written."""
+    from audit.pipeline import pin_replay_environment  # determinism.pin() before the model touches CUDA
+
+    pin_replay_environment()
+    path = Path(opts.file)
+    out_path = Path(opts.out) if opts.out else path.parent / DEFAULT_NAME
+    gens = read_generations(path, opts.limit)
+    refs = read_generations(opts.reference, opts.limit) if opts.reference else None
+    dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = load_model(opts.model, dev)
+    except UserError as exc:
+        raise UserError(f"cannot load model {opts.model!r} to replay with: {exc}") from None
+    resolve(gens, model, path)
+    pairs, matched_by = None, None
+    if refs is not None:
+        resolve(refs, model, opts.reference)
+        pairs, matched_by = pair_with_reference(gens, refs, opts.reference)
+        check_same_prompts(gens, pairs, opts.reference, path)
+    n = opts.max_new_tokens or max(len(g.output) for g in gens)
+    if n < 1:
+        raise UserError(f"{path}: every output is empty; give -n to audit them against N tokens")
+    partings = {}
+    for g in gens:
+        ref = pairs.get(g.id) if pairs else None
+        k = first_difference(g.output, ref.output) if ref is not None else None
+        if k is not None:
+            partings[g.id] = k
+    if log:
+        log(f"auditing {len(gens)} generation(s) of {path} with {model.name} on {dev}, N = {n} ...")
+    walked, positions, seconds = walk_prompts(model, gens, n, partings, log)
+    replay = {"tokens_replayed": positions, "seconds": seconds,
+              "ms_per_token": 1000 * seconds / positions if positions else None}
+    doc = build_document(opts, gens, walked, pairs, matched_by, model, dev, n, replay)
+    try:
+        write_json_atomic(out_path, doc)
+    except OSError as exc:
+        raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    click.echo(render_table(doc))
+    click.echo(f"wrote {out_path}")
+    return EXIT_EXACT if doc["verdict"] == VERDICT_EXACT else EXIT_DIVERGED
