@@ -1,15 +1,17 @@
-"""Independent audit of a harness run: ``audit replay STREAM``.
+"""Independent audit of a harness run: ``audit replay STREAM`` and ``audit retime STREAM``.
 
 The audit trusts no number the harness computed. From the raw records of ``stream.jsonl`` it
 replays every emitted token stream through its own pristine serial greedy path (HF forward,
 DynamicCache, one token per forward), recomputes every timing ratio from the raw legs, checks
-the file for tampering and truncation, and scores the run.
+the file for tampering and truncation, and scores the run. ``audit retime`` measures the
+candidate's speed again on fresh prompts, the candidate and the control each in a process of its
+own, on the audit's clock.
 
-Import rule: the audit may use ``core.schema``, ``core.models``, ``core.determinism``,
-``core.errors`` and ``core.dist`` (the file format, the model loader, the pinned
-configuration, the torchrun plumbing that shards prompts alike in both tools). It never
-imports ``harness.timing``, ``harness.cli`` or anything in ``decoders``: a bug there must not be
-able to hide itself from the audit. ``tests/test_audit_imports.py`` enforces this.
+Import rule: the audit uses ``core`` only (the file format, the model loader, the prompt sets,
+the pinned configuration, the torchrun plumbing that shards prompts alike in both tools). It
+never imports ``harness`` or ``decoders``: a bug there must not be able to hide itself from the
+audit (``audit retime`` starts ``harness.worker`` as a program, by module name).
+``tests/test_audit_imports.py`` enforces this.
 
 Modules:
   stream   turn records into a per-prompt structure; structural problems are bad input
@@ -18,4 +20,5 @@ Modules:
   report   the audit.json document and the human table
   cli      the ``audit`` command
   sharded  the same audit under torchrun: each rank replays its share, rank 0 writes audit.json
+  retime   ``audit retime``: fresh prompts, one worker process per side, the audit's clock
 """

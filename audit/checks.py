@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from core.schema import ROLES, abba_roles
+from core.schema import LEG_SPREAD_LIMIT, ROLES, UNSTABLE_RUN_SHARE, leg_spread, prompt_ratio
 
 from audit.stream import BadInput, PromptRun, Run, is_int
 
@@ -23,7 +23,10 @@ WARM_CONTROL_MIN = 0.8
 WARM_RELATIVE_MAX = 0.1
 
 # checks whose failure means the run's timing record cannot be trusted
-CONSISTENCY_CHECKS = ("control-consistency", "tamper", "integrity", "missing-leg")
+CONSISTENCY_CHECKS = ("control-consistency", "tamper", "integrity", "missing-leg", "in-process-integrity",
+                      "warmup-prompt", "prompts")
+# how many missing or misplaced legs a finding names (the count is always given)
+LISTED_LEGS = 10
 EXACTNESS_CHECKS = ("exactness", "stop")
 
 
@@ -137,16 +140,18 @@ def check_determinism(recorded, differences) -> list[dict]:
 
 
 def check_model_identity(recorded: dict, replayed: dict) -> list[dict]:
-    """Built-ins match on name and seed (and their fingerprints when recorded); checkpoints on
-    config_sha256 and weights_fingerprint (their paths may differ between machines)."""
+    """Built-ins match on name, seed and their fingerprints; checkpoints on config_sha256 and
+    weights_fingerprint (their paths may differ between machines). A fingerprint missing from
+    the stream is a mismatch: the name alone does not say which weights ran."""
     if recorded.get("kind") == "builtin":
-        keys = ["name", "seed"] + [k for k in ("config_sha256", "weights_fingerprint") if k in recorded]
+        keys = ["name", "seed", "config_sha256", "weights_fingerprint"]
     else:
         keys = ["config_sha256", "weights_fingerprint"]
-    bad = [k for k in keys if recorded.get(k) != replayed.get(k)]
+    bad = [k for k in keys if recorded.get(k) != replayed.get(k) or (k != "seed" and k not in recorded)]
     if not bad:
         return []
-    detail = "; ".join(f"{k}: stream {recorded.get(k)!r}, replayed {replayed.get(k)!r}" for k in bad)
+    detail = "; ".join(f"{k}: stream {recorded[k]!r}, replayed {replayed.get(k)!r}" if k in recorded
+                       else f"{k}: missing from the stream, replayed {replayed.get(k)!r}" for k in bad)
     return [finding("model", "fail", None,
                     f"the replayed model is not the one that recorded the stream ({detail}); tokens not replayed",
                     mismatched=bad)]
@@ -175,42 +180,66 @@ def check_instrument(header: dict) -> list[dict]:
 # --------------------------------------------------------------------------- legs
 
 
+def first_missing(present: set[int], legs: int, limit: int = LISTED_LEGS) -> list[int]:
+    """The first ``limit`` of 0..legs-1 absent from ``present``, in len(present) + limit steps."""
+    out, i = [], 0
+    while len(out) < limit and i < legs:
+        if i not in present:
+            out.append(i)
+        i += 1
+    return out
+
+
 def check_leg_set(p: PromptRun, legs: int) -> list[dict]:
-    """Each role needs legs 0..L-1 exactly once."""
+    """Each role needs legs 0..L-1 exactly once (linear in the prompt's legs, whatever L claims)."""
     out = []
     for role in ROLES:
         idx = [r["leg"] for r in p.role_legs(role)]
-        dups = sorted({i for i in idx if idx.count(i) > 1})
+        seen, dups = set(), set()
+        for i in idx:
+            (dups if i in seen else seen).add(i)
+        dups = sorted(dups)
         extra = sorted({i for i in idx if not 0 <= i < legs})
-        missing = [i for i in range(legs) if i not in idx]
+        present = seen - set(extra)
+        n_missing = legs - len(present)
+        missing = first_missing(present, legs)
         if dups:
             out.append(finding("tamper", "fail", p.id, f"{role} legs {dups} appear more than once",
                                role=role, legs=dups))
         if extra:
             out.append(finding("tamper", "fail", p.id, f"{role} legs {extra} lie outside 0..{legs - 1} (L={legs})",
                                role=role, legs=extra))
-        if missing:
+        if n_missing:
+            more = f" and {n_missing - len(missing)} more" if n_missing > len(missing) else ""
             out.append(finding("missing-leg", "fail", p.id,
-                               f"{role} has {legs - len(missing)} of {legs} legs; missing "
-                               + ", ".join(f"{role}#{i}" for i in missing), role=role, legs=missing))
+                               f"{role} has {legs - n_missing} of {legs} legs; missing "
+                               + ", ".join(f"{role}#{i}" for i in missing) + more, role=role, legs=missing))
     return out
+
+
+def abba_slot(order: int) -> tuple[str, int]:
+    """(role, leg) that ABBA puts at ``order`` (``core.schema.abba_roles`` without the list): pair
+    order // 2 runs control first when even, candidate first when odd, and holds each role's
+    leg number order // 2."""
+    pair, second = divmod(order, 2)
+    first = "control" if pair % 2 == 0 else "candidate"
+    return (other_role(first) if second else first), pair
 
 
 def check_leg_order(p: PromptRun, legs: int) -> list[dict]:
     """``order`` must follow ABBA: order k is abba_roles(L)[k], and it is that role's n-th leg."""
-    roles = abba_roles(legs)
-    expected_leg = [roles[:k].count(roles[k]) for k in range(len(roles))]
     out, seen = [], set()
     for rec in p.legs:
         o, label = rec["order"], leg_label(rec)
-        if not 0 <= o < len(roles):
-            out.append(finding("tamper", "fail", p.id, f"{label} has order {o}, outside 0..{len(roles) - 1}",
+        if not 0 <= o < 2 * legs:
+            out.append(finding("tamper", "fail", p.id, f"{label} has order {o}, outside 0..{2 * legs - 1}",
                                leg=label, order=o))
         elif o in seen:
             out.append(finding("tamper", "fail", p.id, f"order {o} is used by more than one leg", leg=label, order=o))
-        elif (roles[o], expected_leg[o]) != (rec["role"], rec["leg"]):
+        elif abba_slot(o) != (rec["role"], rec["leg"]):
+            role, leg = abba_slot(o)
             out.append(finding("tamper", "fail", p.id,
-                               f"{label} has order {o}, but ABBA order {o} is {roles[o]}#{expected_leg[o]}",
+                               f"{label} has order {o}, but ABBA order {o} is {role}#{leg}",
                                leg=label, order=o))
         seen.add(o)
     orders = [r["order"] for r in p.legs]
@@ -309,12 +338,14 @@ def check_control_consistency(p: PromptRun) -> list[dict]:
 
 
 def prompt_medians(p: PromptRun) -> dict:
-    """Median wall time per side and control/candidate ratio, from the raw legs."""
+    """Median wall time per side, from the raw legs, and the prompt's ratio by the shared rule
+    (``core.schema.prompt_ratio``: the control's median over the candidate's first leg)."""
     med = {}
     for role in ROLES:
         walls = [r["wall_s"] for r in p.role_legs(role)]
         med[role] = statistics.median(walls) if walls else None
-    ratio = med["control"] / med["candidate"] if med["control"] is not None and med["candidate"] else None
+    first = next((r["wall_s"] for r in p.role_legs("candidate") if r["leg"] == 0), None)
+    ratio = prompt_ratio([r["wall_s"] for r in p.role_legs("control")], first)
     return {"control_median_s": med["control"], "candidate_median_s": med["candidate"], "ratio": ratio}
 
 
@@ -370,6 +401,83 @@ def check_end_median(end: dict | None, median: float | None) -> list[dict]:
                         f"end record's median_ratio is {theirs!r}, the raw legs give {median!r}",
                         field="median_ratio", harness=theirs, recomputed=median)]
     return []
+
+
+def check_warmup_prompt(p: PromptRun) -> list[dict]:
+    """The harness warms both sides up on another prompt of the same length (``warmup_ids``), so
+    the candidate meets the timed prompt first on its leg 0; older files record none."""
+    if p.warmup_ids is None:
+        return []
+    if len(p.warmup_ids) != len(p.token_ids):
+        return [finding("warmup-prompt", "fail", p.id,
+                        f"the warm-up prompt has {len(p.warmup_ids)} tokens, the prompt {len(p.token_ids)}: "
+                        "the warm-up must cost what the prompt costs")]
+    if p.warmup_ids == p.token_ids:
+        return [finding("warmup-prompt", "fail", p.id,
+                        "the warm-up prompt is the timed prompt itself: the candidate's first leg was warm")]
+    return []
+
+
+def check_violations(run: Run) -> list[dict]:
+    """The harness re-checks its own process (determinism, its clock, the control) after prepare
+    and after every leg, and writes a violation record for anything changed."""
+    return [finding("in-process-integrity", "fail", None,
+                    f"line {line}: the harness found its process changed {rec['at']}: {rec['problem']}",
+                    at=rec["at"], problem=rec["problem"], line=line)
+            for line, rec in run.violations]
+
+
+def check_prompt_set(header: dict, prompts: list[PromptRun], reference) -> list[dict]:
+    """The header's prompt set (source, sha256, count) against the prompt records. ``reference``
+    is what the named set gives here ((id, token_ids) per prompt, and its own source / sha256 /
+    count, from ``core.prompts.load_prompts``), or a string saying why it cannot be rebuilt."""
+    info = header.get("prompts")
+    if not isinstance(info, dict):
+        return [finding("prompts", "fail", None, "the header names no prompt set (source, sha256, count)")]
+    out = []
+    if info.get("count") != len(prompts):
+        out.append(finding("prompts", "fail", None,
+                           f"the header counts {info.get('count')!r} prompts, the file holds {len(prompts)} "
+                           "prompt records", header_count=info.get("count"), records=len(prompts)))
+    if isinstance(reference, str):
+        return out + [finding("prompts", "warn", None, reference)]
+    ref_prompts, ref_info = reference
+    if info.get("sha256") != ref_info["sha256"]:
+        out.append(finding("prompts", "fail", None,
+                           f"the header's prompt sha256 {info.get('sha256')!r} is not that of {info.get('source')!r} "
+                           f"({ref_info['sha256']})", header_sha256=info.get("sha256"), sha256=ref_info["sha256"]))
+    differ = [p.id for p, ref in zip(prompts, ref_prompts) if (p.id, p.token_ids) != ref]
+    differ += [p.id for p in prompts[len(ref_prompts):]]
+    if differ:
+        out.append(finding("prompts", "fail", None,
+                           f"{len(differ)} prompt records (e.g. {differ[0]!r}) are not the prompts of "
+                           f"{info.get('source')!r} (id and token ids, in order)", prompts=differ[:LISTED_LEGS]))
+    return out
+
+
+# --------------------------------------------------------------------------- noise
+
+
+def prompt_spreads(p: PromptRun) -> dict[str, float | None]:
+    """Each role's leg spread on one prompt (``core.schema.leg_spread``; None under 2 legs)."""
+    return {role: leg_spread([r["wall_s"] for r in p.role_legs(role)]) for role in ROLES}
+
+
+def is_unstable(p: PromptRun) -> bool:
+    return any(s is not None and s > LEG_SPREAD_LIMIT for s in prompt_spreads(p).values())
+
+
+def check_leg_spread(p: PromptRun) -> list[dict]:
+    """A warning, never a failure: this prompt's ratio is within the machine's noise."""
+    return [finding("unstable", "warn", p.id,
+                    f"{role} legs differ by {s:.0%} (limit {LEG_SPREAD_LIMIT:.0%}): this prompt's ratio is within noise",
+                    role=role, spread=s)
+            for role, s in prompt_spreads(p).items() if s is not None and s > LEG_SPREAD_LIMIT]
+
+
+def run_unstable(prompts: list[PromptRun]) -> bool:
+    """More than UNSTABLE_RUN_SHARE of the prompts unstable: the run's ratio may be noise."""
+    return bool(prompts) and sum(map(is_unstable, prompts)) > UNSTABLE_RUN_SHARE * len(prompts)
 
 
 # --------------------------------------------------------------------------- memory
@@ -508,6 +616,7 @@ def score(median: float | None, f_mem: float, s_max: float, kappa: float, disqua
 def run_checks(run: Run) -> list[dict]:
     """Every model-free check of the file's structure, timing and the harness's arithmetic."""
     out = check_integrity(run.integrity)
+    out += check_violations(run)
     for p in run.prompts:
         out += check_out_of_place(p)
         out += check_leg_set(p, run.legs)
@@ -515,6 +624,8 @@ def run_checks(run: Run) -> list[dict]:
         out += check_leg_timing(p)
         out += check_control_consistency(p)
         out += check_warm_leg(p, run.legs)
+        out += check_warmup_prompt(p)
+        out += check_leg_spread(p)
     out += check_ranks(run)
     out += check_prompt_sequence(run.prompts, max(1, run.world_size))
     out += check_memory_recorded(run.prompts)

@@ -140,6 +140,48 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
     sys.exit(code)
 
 
+@main.command("retime")
+@click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
+@click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
+              help="Where to write the result. Default: retime.json beside STREAM.")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=4, show_default=True, metavar="K",
+              help="Fresh prompts to time (at most the stream's own count).")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="New tokens per decode. Default: the stream's N.")
+@click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Timed legs per side per fresh prompt, ABBA.")
+@click.option("--model", "model_spec", default=None, metavar="MODEL",
+              help="Model (built-in name or checkpoint dir). Default: the one the header names.")
+@click.option("--device", default=None,
+              help="torch device. Default: the recording device's type if present, else cpu.")
+@click.option("--allow-device-mismatch", is_flag=True,
+              help="Retime even on a device other than the recording one (a warning, not a refusal).")
+def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch):
+    """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
+
+    The candidate (with its recorded arguments) and the control each run in a process of their own
+    (python -m harness.worker), started cold; the audit times every request to its answer, ABBA,
+    on K fresh prompts of the stream's lengths drawn from its prompt source with a seed from the
+    stream's sha256, and replays every retimed token through its pristine serial path. Fails
+    (ratio-not-reproduced) when the retimed median ratio falls short of the recorded one by more
+    than max(the retime's noise, 25%). Writes retime.json, prints both ratios per prompt and
+    median. Exit 0 reproduced, 1 findings, 2 bad input.
+    """
+    from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
+
+    opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
+                         model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch)
+    try:
+        code = retime(opts)
+    except (BadInput, UserError) as exc:
+        fail(str(exc))
+    except WorkerError as exc:
+        fail(f"retime could not start: {exc}")
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written", 130)
+    sys.exit(code)
+
+
 def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
                  allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
     """The whole audit; returns the exit code. Writes audit.json once, at the end."""
@@ -149,14 +191,16 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     from core import dist
 
     from audit import checks
-    from audit.pipeline import choose_device, file_findings, finish, load_replay_model, log, replay_device_json, replay_info
+    from audit.pipeline import (check_out_path, choose_device, file_findings, finish, load_replay_model, log,
+                                replay_device_json, replay_info)
     from audit.replay import replay_run
     from audit.report import divergence_findings
     from audit.sharded import audit_sharded
-    from audit.stream import load_run
+    from audit.stream import load_run, resolve_stream_path
 
+    path = resolve_stream_path(path)
+    out_path = check_out_path(out_path or path.parent / "audit.json", path)
     run = load_run(path)
-    out_path = out_path or path.parent / "audit.json"
     topo = dist.topology()
     if topo.active:
         return audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
@@ -165,7 +209,7 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     replay_dev = replay_device_json(dev)
     findings = checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
     model = load_replay_model(run, model_spec, dev)
-    more, model_findings = file_findings(run, model.identity)
+    more, model_findings = file_findings(run, model)
     findings += more
 
     replayed, tokens, seconds = None, 0, 0.0
@@ -194,7 +238,7 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
     if key not in models:
         models[key] = load_replay_model(run, model_spec, dev)
     check_prompt_ids(run, models[key].vocab_size)
-    more, model_findings = file_findings(run, models[key].identity)
+    more, model_findings = file_findings(run, models[key])
     return path, run, replay_dev, findings + more, key, not model_findings
 
 
@@ -207,12 +251,16 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
     pin_replay_environment()
     from core import dist
 
-    from audit.pipeline import finish, log, replay_info
+    from audit.pipeline import check_out_path, finish, log, replay_info
     from audit.replay import replay_shared
     from audit.report import divergence_findings
+    from audit.stream import resolve_stream_path
 
     if dist.topology().active:
         raise BadInput("under torchrun, audit one stream per launch (the sharded replay splits one run's prompts)")
+    paths = [resolve_stream_path(p) for p in paths]
+    for path in paths:
+        check_out_path(path.parent / "audit.json", path)
     resolved = [p.resolve() for p in paths]
     dup = next((p for i, p in enumerate(resolved) if p in resolved[:i]), None)
     if dup is not None:

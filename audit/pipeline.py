@@ -4,6 +4,8 @@ replay device, loading the replay model, every replay-free finding, and writing 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -13,6 +15,7 @@ import transformers
 from core import determinism
 from core.errors import UserError
 from core.models import device_name, load_model
+from core.prompts import load_prompts, parse_corpus_spec
 from core.schema import write_json_atomic
 
 from audit import checks
@@ -67,16 +70,58 @@ def load_replay_model(run, model_spec: str | None, dev: str):
     return model
 
 
-def file_findings(run, model_identity: dict) -> tuple[list[dict], list[dict]]:
+# snippets a corpus prompt set may ask to be cut again to check its sha256 (stdlib-train:N with a
+# larger N is left unchecked, with a warning, rather than costing work the file does not bound)
+MAX_REBUILT_PROMPTS = 1 << 14
+
+
+def prompt_set_spec(source: str) -> str:
+    """The ``--prompts`` value that produced a header's prompt source."""
+    return source[len("builtin:"):] if source.startswith("builtin:") else source
+
+
+def reference_prompts(header: dict, model, count: int):
+    """The header's prompt set rebuilt here through ``core.prompts.load_prompts`` (the harness's
+    own loader), its first ``count`` prompts: ((id, token_ids) per prompt, info); or a string
+    saying why it cannot be rebuilt (``checks.check_prompt_set`` turns that into a warning)."""
+    info = header.get("prompts")
+    source = info.get("source") if isinstance(info, dict) else None
+    if not isinstance(source, str) or not source:
+        return "the header names no prompt source: the prompt set's sha256 is not checked"
+    spec = prompt_set_spec(source)
+    try:
+        corpus = parse_corpus_spec(spec)
+        if corpus is not None and corpus[1] > MAX_REBUILT_PROMPTS:
+            return f"prompt set {source!r} has more than {MAX_REBUILT_PROMPTS} prompts: its sha256 is not checked"
+        if not source.startswith("builtin:") and not Path(spec).is_file():
+            return f"prompt file {source!r} is not on this machine: its sha256 is not checked"
+        prompts, rebuilt = load_prompts(spec, model, count)
+    except UserError as exc:
+        return f"prompt set {source!r} cannot be rebuilt here ({exc}): its sha256 is not checked"
+    return [(p.id, p.token_ids) for p in prompts], rebuilt
+
+
+def file_findings(run, model) -> tuple[list[dict], list[dict]]:
     """Every finding that needs no replay: (all of them, the model-identity ones alone)."""
     findings = checks.check_header(run.header, {"torch": torch.__version__, "transformers": transformers.__version__})
     findings += checks.check_determinism(run.header.get("determinism"), determinism.differences)
-    model_findings = checks.check_model_identity(run.header["model"], model_identity)
+    model_findings = checks.check_model_identity(run.header["model"], model.identity)
     findings += model_findings
     findings += checks.check_instrument(run.header)
     findings += checks.check_reference(run.header)
+    findings += checks.check_prompt_set(run.header, run.prompts,
+                                        reference_prompts(run.header, model, len(run.prompts)))
     findings += checks.run_checks(run)
     return findings, model_findings
+
+
+def check_out_path(out_path: Path, stream: Path) -> Path:
+    """Where audit.json goes, refused before any work when it cannot be written there."""
+    if out_path.is_dir():
+        raise BadInput(f"--out {out_path} is a directory; name the file to write (e.g. {out_path / 'audit.json'})")
+    if out_path.resolve() == stream.resolve():
+        raise BadInput(f"--out {out_path} is the stream itself")
+    return out_path
 
 
 def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
@@ -97,7 +142,32 @@ def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, mode
         raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
     click.echo(render_table(doc))
     click.echo(f"wrote {out_path}")
+    refresh_report(path, out_path)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
+
+
+REPORT_NAME = "report.md"  # what `reports render DIR` writes beside the stream
+REPORT_TIMEOUT_S = 600
+
+
+def refresh_report(stream: Path, out_path: Path) -> None:
+    """Re-render the report beside the stream, when there is one and it reads this audit.json, so
+    it shows the verdict without a second command. ``python -m reports`` in a subprocess: the audit
+    never imports the reports package. A failure is a warning; the audit's own result stands."""
+    report = stream.parent / REPORT_NAME
+    if not report.is_file() or out_path.resolve() != (stream.parent / "audit.json").resolve():
+        return
+    try:
+        proc = subprocess.run([sys.executable, "-m", "reports", "render", str(stream.parent)],
+                              capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        click.echo(f"warning: {report} not refreshed ({exc})", err=True)
+        return
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        click.echo(f"warning: {report} not refreshed: {why}", err=True)
+    else:
+        click.echo(f"refreshed {report}")
 
 
 def pin_replay_environment() -> None:

@@ -4,6 +4,8 @@ audit.json keys are a contract with the reports package; see ``build_document``.
 """
 from __future__ import annotations
 
+from core.schema import LEG_SPREAD_LIMIT
+
 from audit import checks
 from audit.replay import Divergence, PromptReplay
 
@@ -59,6 +61,8 @@ def prompt_entry(run, p, medians: dict, rep: PromptReplay | None) -> dict:
         "candidate_peak_bytes": checks.own_peak_bytes(cand, "candidate", run.header),
         "first_divergence": first_divergence(p, rep),
         "warm_leg_flag": warm,
+        # slowest / fastest - 1 over each role's legs (null under 2 legs)
+        "leg_spread": checks.prompt_spreads(p),
     }
 
 
@@ -85,6 +89,9 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
         "score": checks.score(median, f_mem, params["s_max"], params["kappa"],
                               failed or instrument or run.header["control"].get("name") != "serial"),
         "score_params": dict(params),
+        # more than UNSTABLE_RUN_SHARE of the prompts have legs apart by more than LEG_SPREAD_LIMIT:
+        # the median ratio may be noise (a warning: verdict and score do not depend on it)
+        "unstable": checks.run_unstable(run.prompts),
         "median_ratio": median,
         "f_mem": f_mem,
         # peaks are each side's own: raw allocator peak less the other decoder's resident bytes
@@ -153,6 +160,12 @@ def render_table(doc: dict) -> str:
     lines.append(f"median ratio {fmt_ratio(doc['median_ratio'])}  f_mem {doc['f_mem']:.3f}  "
                  f"score {doc['score']:.4f}  (S_max {sp['s_max']:g}, kappa {sp['kappa']:g}, "
                  f"mem allowance {sp['mem_allowance']:g})")
+    unstable = len({f["prompt_id"] for f in doc["findings"] if f["check"] == "unstable"})
+    if unstable:
+        lines.append(f"WARNING: {unstable} of {len(doc['prompts'])} prompts have unstable legs (spread > "
+                     f"{LEG_SPREAD_LIMIT:.0%})" + ("; the run is unstable: its median ratio may be within noise, "
+                                                   "rerun with more --legs on a quieter machine"
+                                                   if doc["unstable"] else ""))
     lines.append(f"verdict: {doc['verdict'].upper()}  exact: {'yes' if doc['exact'] else 'NO'}  "
                  f"consistent: {'yes' if doc['consistent'] else 'NO'}  candidate: {doc['candidate']}"
                  + ("  (instrument: never scored)" if doc["instrument"] else ""))

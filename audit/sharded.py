@@ -111,7 +111,7 @@ def audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mi
 
     devices = [p["device"] for p in ready]
     findings = checks.check_devices(run.header, devices, allow_device_mismatch)
-    more, model_findings = file_findings(run, model.identity)
+    more, model_findings = file_findings(run, model)
     findings += more
     merged = None
     if not model_findings:  # as in one process: replaying with another model would only report noise

@@ -14,6 +14,10 @@ from pathlib import Path
 
 from core.schema import StreamFormatError, read_stream
 
+# new tokens per decode a header may claim: far beyond any run, small enough that a forged N
+# cannot make `audit retime` decode for days
+MAX_NEW_TOKENS = 1 << 20
+
 
 class BadInput(Exception):
     """The stream cannot be audited at all; shown as one line, exit 2."""
@@ -27,6 +31,7 @@ class PromptRun:
     line: int  # 1-based line of the prompt record
     token_ids: list[int]
     rank: object = None  # the prompt record's "rank" as written (runs under torchrun); None if absent
+    warmup_ids: list[int] | None = None  # the prompt both sides warmed up on; None if not recorded
     legs: list[dict] = field(default_factory=list)
     summaries: list[dict] = field(default_factory=list)
     # records that belong to this prompt but appear after another prompt's record
@@ -43,6 +48,7 @@ class Run:
     prompts: list[PromptRun]
     end: dict | None
     integrity: dict  # from read_stream: present, count_ok, sha256_ok
+    violations: list[tuple[int, dict]] = field(default_factory=list)  # (line, violation record)
 
     @property
     def max_new_tokens(self) -> int:
@@ -67,6 +73,13 @@ def validate_header(header: dict) -> None:
     for key in ("max_new_tokens", "legs"):
         if not is_int(header.get(key)) or header[key] < 1:
             raise BadInput(f"header {key} must be a positive integer, not {header.get(key)!r}")
+    if header["max_new_tokens"] > MAX_NEW_TOKENS:
+        raise BadInput(f"header max_new_tokens {header['max_new_tokens']} is beyond any run (at most {MAX_NEW_TOKENS})")
+    info = header.get("prompts")
+    if info is not None and not (isinstance(info, dict) and is_int(info.get("count", 0))
+                                 and isinstance(info.get("source", ""), str)
+                                 and isinstance(info.get("sha256", ""), str)):
+        raise BadInput("header prompts must be an object with string source and sha256 and an integer count")
     if not isinstance(header.get("model"), dict):
         raise BadInput("header model must be an object (the model identity)")
     dev = header.get("device")
@@ -100,18 +113,21 @@ def validate_ranks(header: dict) -> None:
                            "'type' and 'name'")
 
 
-def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None]:
-    """Group legs and summaries under their prompt. A record's line number is its index + 1."""
+def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None, list[tuple[int, dict]]]:
+    """Group legs and summaries under their prompt; violations apart, with their lines. A record's
+    line number is its index + 1."""
     prompts: dict[str, PromptRun] = {}
     current: PromptRun | None = None
     end = None
+    violations = []
     for lineno, rec in enumerate(records, start=1):
         kind = rec["type"]
         if kind == "prompt":
             if rec["id"] in prompts:
                 raise BadInput(f"line {lineno}: duplicate prompt id {rec['id']!r} "
                                f"(first at line {prompts[rec['id']].line})")
-            current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]), rec.get("rank"))
+            current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]), rec.get("rank"),
+                                                     rec.get("warmup_ids"))
         elif kind in ("leg", "summary"):
             pid = rec["prompt_id"]
             if pid not in prompts:
@@ -120,14 +136,38 @@ def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None]:
             if owner is not current:
                 owner.out_of_place.append(f"line {lineno}: {kind} after prompt {current.id!r} began")
             (owner.legs if kind == "leg" else owner.summaries).append(rec)
+        elif kind == "violation":
+            violations.append((lineno, rec))
         elif kind == "end":
             end = rec
-    return list(prompts.values()), end
+    return list(prompts.values()), end, violations
+
+
+def resolve_stream_path(path: Path) -> Path:
+    """A run directory stands for its stream.jsonl."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "stream.jsonl").is_file():
+            raise BadInput(f"{path} is a directory without a stream.jsonl")
+        return path / "stream.jsonl"
+    return path
+
+
+def check_proportions(header: dict, records: list[dict], prompts: list[PromptRun]) -> None:
+    """Counts the header claims must fit the file: a claim beyond the records present would only
+    make the audit do work out of proportion to what it reads."""
+    if header["legs"] > len(records):
+        raise BadInput(f"header legs={header['legs']} per side is out of proportion to the file's "
+                       f"{len(records)} records")
+    count = (header.get("prompts") or {}).get("count")
+    if is_int(count) and not 0 <= count <= len(records):
+        raise BadInput(f"header prompts count={count} is out of proportion to the file's {len(records)} records "
+                       f"({len(prompts)} prompt records)")
 
 
 def load_run(path: Path) -> Run:
     """Parse and group a stream; every structural problem is ``BadInput``."""
-    path = Path(path)
+    path = resolve_stream_path(path)
     try:
         records, integrity = read_stream(path)
     except StreamFormatError as exc:
@@ -136,7 +176,8 @@ def load_run(path: Path) -> Run:
         raise BadInput(f"{path}: cannot read ({exc.strerror or exc})") from None
     header = records[0]
     validate_header(header)
-    prompts, end = group_records(records)
+    prompts, end, violations = group_records(records)
     if not prompts:
         raise BadInput(f"{path}: no prompt records; nothing to audit")
-    return Run(path, header, prompts, end, integrity)
+    check_proportions(header, records, prompts)
+    return Run(path, header, prompts, end, integrity, violations)

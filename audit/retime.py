@@ -1,0 +1,412 @@
+"""``audit retime STREAM``: measure the candidate's speed again, on the audit's clock.
+
+``audit replay`` checks a stream's tokens and its arithmetic, but its timing is the harness's,
+measured in one process the candidate shares, on prompts the candidate may know in advance (the
+built-in sets). A retime takes the stream's word only for what ran (model, candidate and its
+arguments, control, N) and measures again:
+
+  prompts   FRESH prompts the stream does not hold, as many as ``--prompts`` (default 4), each of
+            the length of one of the stream's prompts, drawn from the stream's source: other
+            random ids for ``random-512*``, other snippets of the same split for ``stdlib-*``
+            (``core.prompts.corpus_prompts`` past the set's own), otherwise ids resampled from
+            the stream's own prompt tokens (said so in the output). The draw is seeded by the
+            stream file's sha256, which the file cannot know before it is written.
+  processes the candidate and the control each in a process of its own (``python -m
+            harness.worker``), both started cold; the audit launches them by module name and
+            imports no decoder or timing code itself.
+  clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
+            per prompt an untimed warm-up of both on another prompt of the same length, then
+            ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
+            (control median over the candidate's first leg), as in the stream.
+  tokens    every retimed leg is replayed through the audit's pristine serial path.
+
+Finding ``ratio-not-reproduced`` (fail) when the retimed median ratio falls short of the
+recorded one by more than max(the noise the retime measured, MIN_TOLERANCE). Writes retime.json
+beside the stream (or ``--out``), prints a table, exits 0 / 1 / 2 like ``audit replay``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from core.prompts import RANDOM_SETS, corpus_prompts, parse_corpus_spec
+from core.schema import ROLES, abba_roles, write_json_atomic
+
+from audit import checks
+from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device, load_replay_model, log,
+                            model_spec_from_header, pin_replay_environment, prompt_set_spec, replay_device_json)
+from audit.replay import replay_run
+from audit.report import divergence_findings, fmt_ratio
+from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
+
+SCHEMA = "qwen35-exact/retime/1"
+# a retimed median this far below the recorded one is beyond doubt even on a quiet machine; a
+# noisier retime (legs further apart) widens the margin to its own noise
+MIN_TOLERANCE = 0.25
+# fresh corpus snippets cut past the set's own, to find enough long enough for every length
+SNIPPET_WINDOW = 256
+WORKER_MODULE = "harness.worker"
+# seconds a worker may take to exit after its stdin closes, before it is killed
+WORKER_EXIT_S = 30
+
+
+@dataclass(frozen=True)
+class RetimeOptions:
+    """Every ``audit retime`` option, named once."""
+
+    stream: Path
+    out: Path | None = None
+    prompts: int = 4
+    max_new_tokens: int | None = None
+    legs: int = 2
+    model: str | None = None
+    device: str | None = None
+    allow_device_mismatch: bool = False
+
+
+@dataclass
+class FreshPrompt:
+    id: str
+    token_ids: list[int]
+    warmup_ids: list[int]
+    mirrors: str  # the stream prompt whose length it has
+
+
+class WorkerError(Exception):
+    """A worker failed to start or to answer; the message names the side and what it said."""
+
+
+# --------------------------------------------------------------------------- fresh prompts
+
+
+def stream_seed(stream_sha256: str) -> int:
+    return int(stream_sha256[:16], 16)
+
+
+def random_ids(rng: random.Random, pool, length: int) -> list[int]:
+    """``length`` ids drawn from ``pool`` (a range or a list), with replacement."""
+    return [pool[rng.randrange(len(pool))] for _ in range(length)]
+
+
+def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt], str]:
+    """``k`` prompts the stream does not hold, each of the length of one of its prompts (picked by
+    the seed), from the stream's own source; and a line saying how they were drawn."""
+    rng = random.Random(seed)
+    mirrors = rng.sample(run.prompts, k)
+    source = (run.header.get("prompts") or {}).get("source") or ""
+    spec = prompt_set_spec(source) if source.startswith("builtin:") else None
+    held = {tuple(p.token_ids) for p in run.prompts}
+    vocab = range(model.vocab_size)
+    corpus = parse_corpus_spec(spec) if spec else None
+    if spec in RANDOM_SETS:
+        ids = [random_ids(rng, vocab, len(m.token_ids)) for m in mirrors]
+        how = f"random token ids (as {source} draws them), seed from the stream's sha256"
+    elif corpus is not None and model.tokenizer is not None:
+        ids = corpus_snippets(model, corpus, [len(m.token_ids) for m in mirrors], rng)
+        how = (f"other snippets of the {corpus[0]} split than {source}'s {corpus[1]} "
+               "(core.prompts.corpus_prompts), cut to each mirrored prompt's length")
+    else:
+        pool = [t for p in run.prompts for t in p.token_ids]
+        ids = [random_ids(rng, pool, len(m.token_ids)) for m in mirrors]
+        how = (f"ids resampled from the stream's own prompt tokens ({source or 'no source'} is not a set the "
+               "audit can draw from)")
+    out = []
+    for i, (m, tokens) in enumerate(zip(mirrors, ids)):
+        if tuple(tokens) in held:
+            raise BadInput(f"a fresh prompt drawn for {m.id!r} is one of the stream's own prompts; "
+                           "the stream's prompts are too few or too short to draw others from")
+        # the warm-up, as the harness does it: another prompt of the same length
+        out.append(FreshPrompt(f"fresh-{i}", tokens, random_ids(rng, vocab, len(tokens)), m.id))
+    return out, how
+
+
+def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: random.Random) -> list[list[int]]:
+    """Snippets cut after the set's own ones (indices count .. count + SNIPPET_WINDOW), taken in a
+    seeded order, each long enough once encoded, cut to its length."""
+    split, count = corpus
+    pool = corpus_prompts(split, count + SNIPPET_WINDOW)[count:]
+    rng.shuffle(pool)
+    tokenizer = model.tokenizer.get()
+    encoded = (tokenizer.encode(entry["text"]) for entry in pool)
+    out = []
+    for length in lengths:
+        for ids in encoded:
+            if len(ids) >= length:
+                out.append(list(ids[:length]))
+                break
+        else:
+            raise BadInput(f"no fresh {split} snippet of {length} tokens among the {SNIPPET_WINDOW} after the "
+                           f"set's own; retime with fewer --prompts")
+    return out
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def worker_command(spec: str, args: dict, model_spec: str, device: str) -> list[str]:
+    return [sys.executable, "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
+            "--decoder", spec, "--decoder-args", json.dumps(args)]
+
+
+class Worker:
+    """One side's process; ``decode`` is timed by the caller."""
+
+    def __init__(self, role: str, command: list[str]):
+        self.role = role
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env=dict(os.environ))
+        self.ready = None
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise WorkerError(f"the {self.role}'s worker exited (code {code}); its stderr is above")
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise WorkerError(f"the {self.role}'s worker wrote {line.strip()[:200]!r}, not a protocol line") from None
+        if not isinstance(msg, dict) or "error" in msg:
+            raise WorkerError(f"the {self.role}'s worker: {msg.get('error') if isinstance(msg, dict) else msg!r}")
+        return msg
+
+    def wait_ready(self) -> dict:
+        self.ready = self.read()
+        if self.ready.get("ready") is not True:
+            raise WorkerError(f"the {self.role}'s worker did not start with a ready line: {self.ready!r}")
+        return self.ready
+
+    def send(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+        self.proc.stdin.flush()
+
+    def tokens(self) -> list[int]:
+        tokens = self.read().get("tokens")
+        if not isinstance(tokens, list) or not all(checks.is_int(t) for t in tokens):
+            raise WorkerError(f"the {self.role}'s worker answered without a list of token ids")
+        return tokens
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=WORKER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def timed_request(worker: Worker, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int]]:
+    """(t_start, t_end, tokens): the audit's clock around one request and its answer."""
+    t0 = time.perf_counter()
+    worker.send(prompt_ids, max_new_tokens)
+    tokens = worker.tokens()
+    return t0, time.perf_counter(), tokens
+
+
+def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
+               warmup_tokens: int, out: list[PromptRun]) -> None:
+    """Per prompt: an untimed warm-up of both sides on its warm-up prompt, then ABBA legs. Each
+    prompt joins ``out`` once all its legs ran."""
+    origin = time.perf_counter()
+    for n, fp in enumerate(prompts, start=1):
+        for role in ROLES:
+            if warmup_tokens:
+                workers[role].send(fp.warmup_ids, warmup_tokens)
+                workers[role].tokens()
+        p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
+        seen = {role: 0 for role in ROLES}
+        for order, role in enumerate(abba_roles(legs)):
+            t0, t1, tokens = timed_request(workers[role], fp.token_ids, max_new_tokens)
+            p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
+                           "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens})
+            seen[role] += 1
+        ratio = checks.prompt_medians(p)["ratio"]
+        log(f"retime [{n}/{len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
+            f"ratio {fmt_ratio(ratio)}")
+        out.append(p)
+
+
+def start_workers(header: dict, model_spec: str, device: str) -> dict[str, Worker]:
+    """Both sides cold, in processes of their own; the candidate with its recorded arguments."""
+    sides = {}
+    for role in ROLES:
+        entry = header[role]
+        spec = entry.get("spec") or entry["name"]
+        args = entry.get("args") if isinstance(entry.get("args"), dict) else {}
+        sides[role] = (spec, args)
+    workers = {}
+    try:
+        for role, (spec, args) in sides.items():
+            log(f"starting the {role}'s worker: {spec} {json.dumps(args) if args else ''}".rstrip())
+            workers[role] = Worker(role, worker_command(spec, args, model_spec, device))
+        for w in workers.values():
+            w.wait_ready()
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def noise_of(prompts: list[PromptRun]) -> float:
+    """The retime's own noise: the median over prompts of the wider of the two sides' leg spread
+    (0 where a side has one leg)."""
+    widest = [max((s for s in checks.prompt_spreads(p).values() if s is not None), default=0.0) for p in prompts]
+    return statistics.median(widest) if widest else 0.0
+
+
+def tolerance(noise: float) -> float:
+    """A leg spread s lets a ratio move by a factor 1 + s, a shortfall of s / (1 + s)."""
+    return max(noise / (1 + noise), MIN_TOLERANCE)
+
+
+def check_reproduced(recorded: float | None, retimed: float | None, noise: float) -> list[dict]:
+    if recorded is None or retimed is None:
+        return []
+    tol = tolerance(noise)
+    if retimed >= recorded * (1 - tol):
+        return []
+    return [checks.finding("ratio-not-reproduced", "fail", None,
+                           f"retimed median ratio {retimed:.3f} is {1 - retimed / recorded:.0%} below the recorded "
+                           f"{recorded:.3f} (allowed {tol:.0%}: max(noise {noise:.0%} as a shortfall, "
+                           f"{MIN_TOLERANCE:.0%})): the stream's speed is not the candidate's",
+                           recorded=recorded, retimed=retimed, noise=noise, tolerance=tol)]
+
+
+def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPrompt], timed: list[PromptRun],
+                   findings: list[dict], recorded: dict, max_new_tokens: int, legs: int, seconds: float,
+                   exact: dict[str, bool]) -> dict:
+    per_recorded, recorded_median = recorded
+    ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
+    retimed_median = checks.median_ratio(list(ratios.values()))
+    noise = noise_of(timed)
+    failed = any(f["severity"] == "fail" for f in findings)
+    return {
+        "schema": SCHEMA,
+        "kind": "retime",
+        "stream": str(run.path),
+        "stream_sha256": sha,
+        "seed": seed,
+        "fresh_prompts": how,
+        "candidate": {k: run.header["candidate"].get(k) for k in ("name", "spec", "args")},
+        "control": run.header["control"].get("name"),
+        "model": run.header["model"].get("name"),
+        "max_new_tokens": max_new_tokens,
+        "legs": legs,
+        "verdict": "fail" if failed else "pass",
+        "recorded_median_ratio": recorded_median,
+        "retimed_median_ratio": retimed_median,
+        "noise": noise,
+        "tolerance": tolerance(noise),
+        "seconds": seconds,
+        "recorded": [{"id": p.id, "ratio": per_recorded[p.id]["ratio"]} for p in run.prompts],
+        "prompts": [{"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
+                     "recorded_ratio": per_recorded[fp.mirrors]["ratio"], "ratio": ratios[p.id],
+                     "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p),
+                     "walls": {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES},
+                     "token_ids": fp.token_ids}
+                    for fp, p in zip(fresh, timed)],
+        "findings": findings,
+    }
+
+
+def render_table(doc: dict) -> str:
+    rows = [("fresh prompt", "like", "P", "recorded", "retimed", "spread", "exact")]
+    for e in doc["prompts"]:
+        spread = max((s for s in e["leg_spread"].values() if s is not None), default=None)
+        rows.append((e["id"], e["mirrors"], str(e["tokens"]), fmt_ratio(e["recorded_ratio"]), fmt_ratio(e["ratio"]),
+                     "-" if spread is None else f"{spread:.0%}", "yes" if e["exact"] else "NO"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    lines.append(f"fresh prompts: {doc['fresh_prompts']}")
+    if doc["findings"]:
+        lines.append("")
+        lines.append("findings:")
+        for f in doc["findings"]:
+            where = f" [{f['prompt_id']}]" if f["prompt_id"] else ""
+            lines.append(f"  {f['severity'].upper():<4} {f['check']}{where}: {f['message']}")
+    lines.append("")
+    lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
+                 f"{len(doc['recorded'])} prompts), retimed {fmt_ratio(doc['retimed_median_ratio'])} "
+                 f"({len(doc['prompts'])} fresh prompts, N={doc['max_new_tokens']}, {doc['legs']} legs per side); "
+                 f"noise {doc['noise']:.0%}, allowed shortfall {doc['tolerance']:.0%}")
+    lines.append(f"retime took {doc['seconds']:.1f} s  verdict: {doc['verdict'].upper()}  candidate: "
+                 f"{doc['candidate']['name']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def retime(opts: RetimeOptions) -> int:
+    """The whole retime; returns the exit code. Writes retime.json once, at the end."""
+    started = time.perf_counter()
+    pin_replay_environment()
+    path = resolve_stream_path(opts.stream)
+    out_path = check_out_path(opts.out or path.parent / "retime.json", path)
+    run = load_run(path)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    seed = stream_seed(sha)
+    dev = choose_device(opts.device, run.header["device"])
+    findings = checks.check_devices(run.header, [replay_device_json(dev)], opts.allow_device_mismatch)
+    model_spec = opts.model or model_spec_from_header(run.header)
+    model = load_replay_model(run, opts.model, dev)
+    mismatch = checks.check_model_identity(run.header["model"], model.identity)
+    if mismatch:
+        raise BadInput(f"{mismatch[0]['message']}; retime with the stream's own model (--model)")
+    n = opts.max_new_tokens or run.max_new_tokens
+    k = min(opts.prompts, len(run.prompts))
+    fresh, how = fresh_prompts(run, model, k, seed)
+    warmup = run.header.get("warmup_tokens")
+    warmup = min(warmup, n) if checks.is_int(warmup) and warmup >= 0 else min(8, n)
+    log(f"retiming {run.header['candidate']['name']} vs {run.header['control']['name']} on {k} fresh prompts "
+        f"x {opts.legs} legs, N={n}, {dev}: {how}")
+    workers = start_workers(run.header, model_spec, dev)
+    timed = []
+    try:
+        time_fresh(workers, fresh, n, opts.legs, warmup, timed)
+    except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
+        findings.append(checks.finding("retime-error", "fail", fresh[len(timed)].id, str(exc)))
+    finally:
+        for w in workers.values():
+            w.close()
+    fresh = fresh[:len(timed)]
+
+    fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})
+    log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
+    replayed, _, _ = replay_run(model, fresh_run, log)
+    findings += divergence_findings(fresh_run, replayed)
+    for p in timed:
+        findings += checks.check_control_consistency(p)
+        findings += checks.check_leg_spread(p)
+    recorded = checks.recompute_ratios(run.prompts)
+    retimed = checks.median_ratio([checks.prompt_medians(p)["ratio"] for p in timed])
+    findings += check_reproduced(recorded[1], retimed, noise_of(timed))
+    exact = {p.id: not replayed[p.id].divergences for p in timed}
+    doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
+                         time.perf_counter() - started, exact)
+    try:
+        write_json_atomic(out_path, doc)
+    except OSError as exc:
+        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    click.echo(render_table(doc))
+    click.echo(f"wrote {out_path}")
+    return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

@@ -1,0 +1,97 @@
+"""``python -m harness.worker``: one decoder in a process of its own, decoding on request.
+
+``audit retime`` starts two of these, the candidate and the serial control, and times each
+request from outside with its own clock, so nothing the decoder does inside its process can
+reach the timing or the other side. Protocol, one JSON object per line:
+
+  start    pin the deterministic configuration, load the model, build the decoder
+           (``decoders.get_decoder``, with ``--decoder-args`` / ``--decoder-arg``), run its
+           ``prepare()``, then print ``{"ready": true, "decoder": NAME, "config": {...},
+           "device": ...}``; on a setup failure print ``{"error": "..."}`` and exit 2.
+  request  stdin ``{"prompt_ids": [...], "max_new_tokens": N}`` -> stdout ``{"tokens": [...]}``,
+           written once the decode returned and the device is synchronised; a request that
+           fails gets ``{"error": "..."}`` and the worker goes on.
+  end      stdin closed: the worker exits 0.
+
+stdout carries protocol lines only: anything else the decoder prints goes to stderr.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from core import determinism
+from core.errors import UserError
+
+determinism.pin()  # before anything touches CUDA, as harness time and the audit do
+
+
+def reply(channel, obj: dict) -> None:
+    channel.write(json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n")
+    channel.flush()
+
+
+def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict):
+    """The model and the prepared decoder."""
+    import transformers
+
+    from core.models import load_model
+    from decoders import get_decoder
+
+    transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
+    decoder = get_decoder(decoder_spec, **kwargs)
+    model = load_model(model_spec, device)
+    decoder.prepare(model)
+    return model, decoder
+
+
+def serve(channel, model, decoder) -> None:
+    """Answer requests until stdin closes."""
+    import torch
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            ids, n = request["prompt_ids"], request["max_new_tokens"]
+            tokens = [int(t) for t in decoder.decode(list(ids), int(n)).tokens]
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+        except Exception as exc:  # noqa: BLE001 - the caller judges a failed request; this process stays up
+            reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        reply(channel, {"tokens": tokens})
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "model_spec", required=True, help="Built-in model name or checkpoint directory.")
+@click.option("--device", default=None, help="torch device. Default: cuda if available, else cpu.")
+@click.option("--decoder", "decoder_spec", required=True, help="Registered decoder name or package.module:attr.")
+@click.option("--decoder-args", "args_json", default="{}", metavar="JSON",
+              help="Constructor arguments as a JSON object (as the stream header records them).")
+@click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
+              help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
+def main(model_spec, device, decoder_spec, args_json, decoder_args):
+    """Serve decode requests for one decoder on stdin/stdout (see the module docstring)."""
+    from decoders import parse_decoder_args
+
+    channel, sys.stdout = sys.stdout, sys.stderr  # a decoder's prints must not corrupt the protocol
+    try:
+        kwargs = json.loads(args_json)
+        if not isinstance(kwargs, dict):
+            raise UserError(f"--decoder-args must be a JSON object, not {args_json!r}")
+        kwargs.update(parse_decoder_args(decoder_args))
+        model, decoder = setup(model_spec, device, decoder_spec, kwargs)
+    except (UserError, json.JSONDecodeError) as exc:  # a bug's traceback goes to stderr as it is
+        reply(channel, {"error": str(exc)})
+        sys.exit(2)
+    reply(channel, {"ready": True, "decoder": decoder.name, "config": decoder.config(),
+                    "device": str(model.device)})
+    serve(channel, model, decoder)
+
+
+if __name__ == "__main__":
+    main()
