@@ -107,21 +107,17 @@ def main(argv=None) -> int:
     logits, hidden = rt.prefill(prompt)
     dr.prefill(hidden, prompt)
     tok = logits.argmax(-1).view(1, 1)
-    dr.in_hidden.copy_(hidden[:, -1:])
-    dr.in_token.copy_(tok)
-    length = rt.length
+    dr.draft(hidden[:, -1:], tok, 1)  # the last prompt row: leaves a chained step's inputs live
 
     def step():
-        rt.step(tok)
-        rt.length = length
+        rt.step(tok)  # commits one position per call: the capacity has room for every call
 
     def window(w):
         block = tok.expand(1, w).contiguous()
-        return lambda: (rt.verify(block), setattr(rt, "last_verify", None))
+        return lambda: rt.verify(block)  # never accepted
 
     def window_eager(w):
-        prog = rt.program(w, capture=True)
-        return lambda: prog._run_eager()
+        return rt.program(w, capture=True).run_eager
 
     def hf_forward():
         from transformers import DynamicCache
@@ -138,7 +134,7 @@ def main(argv=None) -> int:
     n = args.prompt_len
     ops = {"step (graphed)": step, **{f"window {w} (graphed)": window(w) for w in windows},
            f"window {max(windows)} (eager)": window_eager(max(windows)),
-           "draft step": lambda: dr._chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
+           "draft step": lambda: dr.chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
            f"runtime prefill {n}": runtime_prefill, f"drafter prefill {n}": drafter_prefill}
     results = {}
     for name, fn in ops.items():

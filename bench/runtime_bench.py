@@ -129,11 +129,11 @@ def profile_step(rt, tokens):
 
     prog = rt.program(1, capture=False)
     prog.tokens.fill_(tokens[0])
-    prog._run_eager()
+    prog.run_eager()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            prog._run_eager()
+            prog.run_eager()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in events) / 3

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from core.errors import UserError
 from decoders.runtime import layers as L
+from decoders.runtime.graphs import capture_segments, run_segments
 
 
 class Unchecked:
@@ -41,11 +42,12 @@ class Unchecked:
 
 
 class MTPDrafter:
-    def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8):
-        """``head``: a trained draft head (``heads.load_head``) in place of the checkpoint's own.
+    def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8,
+                 use_graphs: bool | None = None):
+        """``head``: a trained draft head (``load_head``) in place of the checkpoint's own.
         ``max_rows``: every catch-up of up to this many rows (a round's accepted rows + 1) runs as
         one CUDA graph pair; longer ones (after plain steps) run in chunks of LONG_CHUNKS rows or
-        fewer."""
+        fewer. ``use_graphs``: default on a GPU; False runs the same functions eagerly."""
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
         self.head, self.lm = head, lm
@@ -64,11 +66,28 @@ class MTPDrafter:
             self.shortlist = torch.tensor(sorted(set(shortlist)), dtype=torch.long, device=dev)
             self.head_weight = lm.lm_head.weight.index_select(0, self.shortlist).contiguous()
         self._arange = torch.arange(capacity, device=dev)
+        self.constants = L.Constants()  # the head's weight-only tensors, made once
         # one pool for all the drafter's graphs: sharing is safe because each pre graph's outputs
         # are read only by its own post graph, and no other graph replays between the two
-        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
-        self._build_step()
-        self._build_catch_up(catch_up_sizes(int(max_rows), capacity))
+        use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        hidden_size, width = cfg.hidden_size, cfg.num_attention_heads * attn.head_dim
+        # the chained step's static buffers: its output row and draft feed the next step in place
+        self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
+        self.in_token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)  # warm-up writes row 0: nothing is live yet
+        self.step_attn = torch.zeros(1, 1, width, dtype=dtype, device=dev)
+        # the catch-ups' static buffers, m-row views of one max-size set; warm-up writes K/V at
+        # rows_pos (and attends from start 0): at construction no head row is live, so rows
+        # 0..m-1 are free to scribble on
+        sizes = catch_up_sizes(int(max_rows), capacity)
+        self.rows_hidden = torch.zeros(1, max(sizes), hidden_size, dtype=dtype, device=dev)
+        self.rows_token = torch.zeros(1, max(sizes), dtype=torch.long, device=dev)
+        self.rows_pos = self._arange[:max(sizes)].clone()
+        self.rows_attn = torch.zeros(1, max(sizes), width, dtype=dtype, device=dev)
+        self.attend_at = 0  # first KV position of the next eager attention segment's new rows
+        self._step = self._graphed(self._step_segments())
+        self._rows = {m: self._graphed(self._catch_up_segments(m)) for m in sizes}
 
     def nbytes(self) -> int:
         """The K/V cache, a shortlisted head weight and the graphs' static buffers (not their pool)."""
@@ -105,10 +124,11 @@ class MTPDrafter:
         m, hd = tokens.shape[-1], attn.head_dim
         x = head.fuse(inner.embed_tokens(tokens), hidden)
         cos, sin = inner.rotary_emb(x, positions.view(1, 1, -1).expand(3, 1, -1))
-        h = L.rms_norm(layer.input_layernorm, x, cal)
+        consts = self.constants
+        h = L.rms_norm(layer.input_layernorm, x, cal, consts)
         query, gate = torch.chunk(L.linear(attn.q_proj, h, cal).view(1, m, -1, hd * 2), 2, dim=-1)
-        query = L.rms_norm(attn.q_norm, query, cal, 1 << 30).transpose(1, 2)
-        key = L.rms_norm(attn.k_norm, attn.k_proj(h).view(1, m, -1, hd), cal, 1 << 30).transpose(1, 2)
+        query = L.rms_norm(attn.q_norm, query, cal, consts, 1 << 30).transpose(1, 2)
+        key = L.rms_norm(attn.k_norm, attn.k_proj(h).view(1, m, -1, hd), cal, consts, 1 << 30).transpose(1, 2)
         value = attn.v_proj(h).view(1, m, -1, hd).transpose(1, 2)
         query, key = L.apply_rotary_pos_emb(query, key, cos, sin)
         self.keys.index_copy_(2, positions, key)
@@ -126,106 +146,49 @@ class MTPDrafter:
         layer, cal = self.head.layers[0], self.cal
         m = x.shape[1]
         x = x + layer.self_attn.o_proj(attn_out * torch.sigmoid(gate.reshape(1, m, -1)))
-        x = x + L.mlp(layer.mlp, L.rms_norm(layer.post_attention_layernorm, x, cal), cal)
-        return L.rms_norm(self.head.norm, x, cal)
+        x = x + L.mlp(layer.mlp, L.rms_norm(layer.post_attention_layernorm, x, cal, self.constants), cal)
+        return L.rms_norm(self.head.norm, x, cal, self.constants)
 
     # ------------------------------------------------------------------ graphed forwards
 
     @torch.no_grad()
-    def _capture(self, pre, attend, post):
-        """Warm up (pre, attend, post) twice on a side stream, then capture pre and post as CUDA
-        graphs in the drafter's pool; attention stays eager between them (its KV length and mask
-        change every call). Returns the two graphs, or None off the GPU (the functions run eagerly)."""
-        if self.pool is None:
-            return None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                pre()
-                attend(0)
-                post()
-        torch.cuda.current_stream().wait_stream(side)
-        graphs = []
-        for fn in (pre, post):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
-            graphs.append(g)
-        return tuple(graphs)
+    def _graphed(self, segments):
+        """(segments, graphs): pre and post captured as CUDA graphs in the drafter's pool on the
+        GPU (graphs None elsewhere: the functions run eagerly); attention stays eager between
+        them, its KV length and mask change every call."""
+        return segments, capture_segments(segments, self.pool) if self.pool is not None else None
 
-    @staticmethod
-    def _run(fns, graphs, start: int) -> None:
-        """pre, eager attention over KV length start + rows, post: replayed where captured."""
-        pre, attend, post = fns
-        graphs[0].replay() if graphs else pre()
-        attend(start)
-        graphs[1].replay() if graphs else post()
+    def _run(self, graphed, start: int) -> None:
+        """pre, eager attention for new rows from position ``start``, post."""
+        self.attend_at = start
+        run_segments(*graphed)
 
     def _emit(self, out_row) -> None:
         """The head's last output row and its draft become the next chained step's inputs."""
         self.in_token.copy_(self.draft_token(out_row))
         self.in_hidden.copy_(out_row)
 
-    # ------------------------------------------------------------------ the chained draft step
-
-    def _build_step(self):
-        """One chained draft step over static buffers: the head's output and token feed the next
-        step in place. On the GPU the parts before and after attention are CUDA graphs (attention's
-        KV length grows, so it runs eagerly in between, as in the runtime)."""
-        dev, dtype = self.keys.device, self.keys.dtype
-        hidden_size = self.lm.config.hidden_size
-        attn = self.head.layers[0].self_attn
-        self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
-        self.in_token = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)  # warm-up writes row 0: nothing is live yet
-        self.step_attn = torch.zeros(1, 1, self.lm.config.num_attention_heads * attn.head_dim, dtype=dtype, device=dev)
-        self.step_ws = {}
+    def _step_segments(self):
+        """One chained draft step over the static buffers (in_hidden, in_token) at step_pos."""
+        ws = {}
 
         def pre():
-            self.step_ws["pre"] = self._pre(self.in_hidden, self.in_token, self.step_pos)
+            ws["pre"] = self._pre(self.in_hidden, self.in_token, self.step_pos)
 
-        def attend(position):
-            self.step_attn.copy_(self._attend(self.step_ws["pre"][1], position + 1, None))
+        def attend():
+            self.step_attn.copy_(self._attend(ws["pre"][1], self.attend_at + 1, None))
 
         def post():
-            x, _, gate = self.step_ws["pre"]
+            x, _, gate = ws["pre"]
             self._emit(self._post(x, self.step_attn, gate))
 
-        self._step_fns = (pre, attend, post)
-        self._step_graphs = self._capture(*self._step_fns)
+        return [("graph", pre), ("eager", attend), ("graph", post)]
 
-    def _chained_step(self, position: int) -> torch.Tensor:
-        """Consume (in_hidden, in_token) at ``position``; leaves the next draft in in_token."""
-        if position + 1 > self.capacity:
-            raise ValueError(f"drafter capacity {self.capacity} exceeded")
-        self.step_pos.fill_(position)
-        self._run(self._step_fns, self._step_graphs, position)
-        return self.in_token.clone()
-
-    # ------------------------------------------------------------------ the catch-up rows
-
-    def _build_catch_up(self, sizes: list[int]):
-        """A catch-up forward for each row count m in ``sizes`` over static buffers (m-row views
-        of one max-size set), graphed like the chained step; its post leaves the last row's output
-        and draft in (in_hidden, in_token), so chaining continues without a copy."""
-        dev, dtype = self.keys.device, self.keys.dtype
-        max_rows = max(sizes)
-        width = self.step_attn.shape[-1]
-        self.rows_hidden = torch.zeros(1, max_rows, self.lm.config.hidden_size, dtype=dtype, device=dev)
-        self.rows_token = torch.zeros(1, max_rows, dtype=torch.long, device=dev)
-        # warm-up writes K/V at these positions (and captures attention over start 0): at
-        # construction no head row is live, so rows 0..m-1 are free to scribble on
-        self.rows_pos = self._arange[:max_rows].clone()
-        self.rows_attn = torch.zeros(1, max_rows, width, dtype=dtype, device=dev)
-        self._rows = {}
-        for m in sizes:
-            fns = self._catch_up_fns(m)
-            self._rows[m] = (fns, self._capture(*fns))
-
-    def _catch_up_fns(self, m: int):
-        """(pre, attend, post) for m rows; beyond the weights, every tensor they read or write
-        that outlives a call is a static buffer (the graphs' addresses) or the head's K/V cache."""
+    def _catch_up_segments(self, m: int):
+        """A catch-up of m rows; beyond the weights, every tensor it reads or writes that outlives
+        a call is a static buffer (the graphs' addresses) or the head's K/V cache. Its post leaves
+        the last row's output and draft in (in_hidden, in_token), so chaining continues without a
+        copy."""
         hidden, tokens = self.rows_hidden[:, :m], self.rows_token[:, :m]
         positions, attn_out = self.rows_pos[:m], self.rows_attn[:, :m]
         ws = {}
@@ -233,15 +196,26 @@ class MTPDrafter:
         def pre():
             ws["pre"] = self._pre(hidden, tokens, positions)
 
-        def attend(start):
-            mask = self._causal_mask(positions, start + m)
-            attn_out.copy_(self._attend(ws["pre"][1], start + m, mask))
+        def attend():
+            length = self.attend_at + m
+            attn_out.copy_(self._attend(ws["pre"][1], length, self._causal_mask(positions, length)))
 
         def post():
             x, _, gate = ws["pre"]
             self._emit(self._post(x, attn_out, gate)[:, -1:])
 
-        return pre, attend, post
+        return [("graph", pre), ("eager", attend), ("graph", post)]
+
+    # ------------------------------------------------------------------ drafting
+
+    def chained_step(self, position: int) -> torch.Tensor:
+        """Consume (in_hidden, in_token) at ``position``; leaves the next draft in in_token and
+        returns a copy of it [1,1]."""
+        if position + 1 > self.capacity:
+            raise ValueError(f"drafter capacity {self.capacity} exceeded")
+        self.step_pos.fill_(position)
+        self._run(self._step, position)
+        return self.in_token.clone()
 
     def catch_up_chunks(self, m: int) -> list[int]:
         """How a catch-up of m rows is split: m itself where it has a graph, else the largest
@@ -265,8 +239,7 @@ class MTPDrafter:
         self.rows_hidden[:, :m].copy_(hidden)
         self.rows_token[:, :m].copy_(tokens.view(1, m))
         self.rows_pos[:m].copy_(self._arange[start:start + m])
-        fns, graphs = self._rows[m]
-        self._run(fns, graphs, start)
+        self._run(self._rows[m], start)
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
@@ -294,7 +267,7 @@ class MTPDrafter:
         self.filled = pos  # every pending row had true inputs; the chained rows after it do not
         drafts = [self.in_token.clone()]
         for _ in range(depth - 1):
-            drafts.append(self._chained_step(pos))
+            drafts.append(self.chained_step(pos))
             pos += 1
         return drafts
 

@@ -32,6 +32,13 @@ class Costs:
     def round_time(self, depth: int) -> float:
         return self.step if depth == 0 else depth * self.draft + self.verify[depth + 1]
 
+    @classmethod
+    def from_reps(cls, reps: dict) -> "Costs":
+        """The fastest of each op's timed reps, from ``{"step": [..], "draft": [..],
+        "verify": {w: [..]}}`` (window keys may be JSON strings)."""
+        return cls(step=min(reps["step"]), draft=min(reps["draft"]),
+                   verify={int(w): min(v) for w, v in reps["verify"].items()})
+
 
 @dataclass
 class DepthPolicy:

@@ -21,44 +21,72 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from decoders.base import DecodeResult, DecodeStats
+from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.drafter import HEAD_FILE, SHORTLIST_FILE, MTPDrafter, default_shortlist, load_head, load_shortlist
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 
 
 class PhaseTimer:
-    """Time per decode phase: CUDA events on the GPU (read once at the end), host clock on CPU."""
+    """Time per decode phase: CUDA events on the GPU (read once at the end), host clock on CPU.
+    ``with timer.phase("verify"): ...`` times one phase; phases do not nest."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.marks = []  # (phase, start, end)
+        self.marks = []  # (phase, start event, end event)
         self.totals: dict[str, float] = {}
+        self._name = ""
+        self._start = None
 
-    def start(self):
+    def phase(self, name: str) -> "PhaseTimer":
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
 
-    def stop(self, phase: str, start) -> None:
+    def __exit__(self, *exc) -> None:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.marks.append((phase, start, end))
+            self.marks.append((self._name, self._start, end))
         else:
-            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+            self.totals[self._name] = self.totals.get(self._name, 0.0) + time.perf_counter() - self._start
 
     def result(self) -> dict[str, float]:
-        for phase, a, b in self.marks:
-            self.totals[phase] = self.totals.get(phase, 0.0) + a.elapsed_time(b) / 1e3
+        for name, a, b in self.marks:
+            self.totals[name] = self.totals.get(name, 0.0) + a.elapsed_time(b) / 1e3
         self.marks.clear()
         return dict(self.totals)
+
+
+def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
+    """How many leading drafts the verify window accepts: drafted[i] is kept while it equals the
+    model's own greedy token pred[i] at that row (pred has one row more than drafted)."""
+    j = 0
+    while j < len(drafted) and pred[j] == drafted[j]:
+        j += 1
+    return j
+
+
+@dataclass
+class Pending:
+    """Between rounds: ``y``, the last emitted token [1,1] (the next backbone input), and the head
+    rows not yet computed with true inputs (backbone hidden states [1,k,H] and the token after
+    each [1,k]), which the next draft catches up on."""
+
+    y: torch.Tensor
+    hidden: list[torch.Tensor]
+    tokens: list[torch.Tensor]
 
 
 class SpecDecoder:
@@ -78,6 +106,7 @@ class SpecDecoder:
             raise ValueError("explore_every must be >= 1")
         self.capacity = int(capacity)
         self.model = self.runtime = self.drafter = self.costs = None
+        self.cost_reps: dict | None = None  # every timed rep of measure_costs, in seconds
 
     # ------------------------------------------------------------------ setup
 
@@ -87,7 +116,8 @@ class SpecDecoder:
         if self.head_dir is not None:
             self.head = load_head(model, self.head_dir)
         self._build(self.capacity)
-        self.costs = self.measure_costs()
+        self.cost_reps = self.measure_costs()
+        self.costs = Costs.from_reps(self.cost_reps)
 
     def _build(self, capacity: int) -> None:
         cal = self.runtime.cal if self.runtime is not None else None
@@ -95,8 +125,14 @@ class SpecDecoder:
         path = self.shortlist_source()
         ids = load_shortlist(path) if path else None
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
-        # after plain steps, run eagerly
+        # after plain steps, run in chunks of graphed sizes
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        """Static buffers are sized up front; a longer request gets larger ones (rounded up to
+        1024 positions), never a silent overflow."""
+        if needed > self.runtime.capacity:
+            self._build(-(-needed // 1024) * 1024)
 
     def shortlist_source(self) -> str | None:
         """The ``shortlist`` argument, else the trained head's, else the checkpoint's, else none."""
@@ -107,32 +143,32 @@ class SpecDecoder:
         return default_shortlist(self.model) if self.model is not None else None
 
     @torch.inference_mode()
-    def measure_costs(self, reps: int = 7) -> Costs:
-        """Seconds of a plain step, a head step and each verify window, on this device, now.
-        Measured in interleaved rounds (each round times every op once) and the fastest round per
-        op kept: a busy spell on a shared CPU then slows one round of every op, not every rep of
-        one op, so the ratios between ops that the policy trades on stay right."""
+    def measure_costs(self, reps: int = 7) -> dict:
+        """Seconds of a plain step, a chained head step and each verify window, on this device,
+        now, every rep kept: ``{"step": [..], "draft": [..], "verify": {w: [..]}}``
+        (``Costs.from_reps`` reduces them). Timed in interleaved rounds (each round times every op
+        once): a busy spell on a shared CPU then slows one round of every op, not every rep of one
+        op, so the ratios between ops that the policy trades on stay right in the fastest round."""
         rt, dr, dev = self.runtime, self.drafter, self.model.device
         prompt = list(range(3, 3 + 16))
         logits, hidden = rt.prefill(prompt)
         dr.prefill(hidden, prompt)
         tok = logits.argmax(-1).view(1, 1)
-        dr.in_hidden.copy_(hidden[:, -1:])
-        dr.in_token.copy_(tok)
+        dr.draft(hidden[:, -1:], tok, 1)  # the last prompt row: leaves a chained step's inputs live
         blocks = {w: tok.expand(1, w).contiguous() for w in range(1, self.max_depth + 2)}
-        ops = {"step": lambda: (rt.step(tok), setattr(rt, "length", rt.length - 1)),
-               "draft": lambda: dr._chained_step(dr.filled),
+        # steps commit (one position each, well within capacity); windows are never accepted
+        ops = {"step": lambda: rt.step(tok), "draft": lambda: dr.chained_step(dr.filled),
                **{w: (lambda b=b: rt.verify(b)) for w, b in blocks.items()}}
-        best = {name: float("inf") for name in ops}
+        times: dict = {name: [] for name in ops}
         for _ in range(reps):
             for name, fn in ops.items():
                 sync(dev)
                 t0 = time.perf_counter()
                 fn()
                 sync(dev)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        rt.last_verify = None
-        return Costs(step=best["step"], draft=best["draft"], verify={w: best[w] for w in blocks})
+                times[name].append(time.perf_counter() - t0)
+        rt.reset()
+        return {"step": times["step"], "draft": times["draft"], "verify": {w: times[w] for w in blocks}}
 
     def config(self) -> dict:
         cfg = {"max_depth": self.max_depth, "depth": self.fixed, "head": self.head_dir,
@@ -147,6 +183,9 @@ class SpecDecoder:
         if self.costs is not None:
             cfg["costs_s"] = {"step": self.costs.step, "draft": self.costs.draft,
                               "verify": {str(k): v for k, v in self.costs.verify.items()}}
+        if self.cost_reps is not None:
+            cfg["cost_reps_s"] = {"step": list(self.cost_reps["step"]), "draft": list(self.cost_reps["draft"]),
+                                  "verify": {str(k): list(v) for k, v in self.cost_reps["verify"].items()}}
         return cfg
 
     def new_policy(self) -> DepthPolicy:
@@ -161,63 +200,65 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        needed = len(prompt_ids) + max_new_tokens + self.max_depth + 2
-        if needed > self.runtime.capacity:
-            self._build(-(-needed // 1024) * 1024)
-        rt, dr = self.runtime, self.drafter
+        self._ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy()
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": []})
-
-        t = timer.start()
-        logits, hidden = rt.prefill(prompt_ids)
-        dr.prefill(hidden, prompt_ids)
+        with timer.phase("other"):
+            pending = self._prefill(prompt_ids)
+            tokens = [int(pending.y.item())]
         stats.forwards += 1
-        y = logits.argmax(-1).view(1, 1)
-        tokens = [int(y.item())]
-        timer.stop("other", t)
-        pend_h, pend_t = [hidden[:, -1:]], [y]  # head rows not yet computed with true inputs
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
             stats.extra["depth_trace"].append(depth)
             if depth == 0:
-                t = timer.start()
-                prog = rt.step(y)
-                timer.stop("verify", t)
-                stats.forwards += 1
-                y = prog.ws["argmax"].view(1, 1).clone()
-                pend_h.append(prog.ws["hidden"].clone())
-                pend_t.append(y)
-                tokens.append(int(y.item()))
-                continue
-            t = timer.start()
-            drafts = self.propose(dr.draft(torch.cat(pend_h, dim=1), torch.cat(pend_t, dim=1), depth), len(tokens))
-            timer.stop("draft", t)
-            t = timer.start()
-            prog = rt.verify(torch.cat([y] + drafts, dim=1))
-            pred = prog.ws["argmax"].view(-1).tolist()
-            timer.stop("verify", t)
+                new = self._plain_step(pending, timer)
+            else:
+                new = self._spec_round(pending, depth, len(tokens), timer)
+                policy.update(depth, len(new) - 1)
+                stats.record_round(depth, len(new) - 1)
             stats.forwards += 1
-            drafted = [int(d.item()) for d in drafts]
-            j = 0
-            while j < depth and pred[j] == drafted[j]:
-                j += 1
-            t = timer.start()
-            rt.accept(j + 1)
-            timer.stop("rollback", t)
-            policy.update(depth, j)
-            stats.record_round(depth, j)
-            for tok in drafted[:j] + [pred[j]]:
-                tokens.append(tok)
-                if tok in eos or len(tokens) >= max_new_tokens:
-                    break
-            y = torch.tensor([[pred[j]]], device=y.device)
-            pend_h = [prog.ws["hidden"][:, :j + 1].clone()]
-            pend_t = [torch.tensor([drafted[:j] + [pred[j]]], device=y.device)]
+            tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
         return DecodeResult(tokens, stats)
+
+    def _prefill(self, prompt_ids: list[int]) -> Pending:
+        logits, hidden = self.runtime.prefill(prompt_ids)
+        self.drafter.prefill(hidden, prompt_ids)
+        y = logits.argmax(-1).view(1, 1)
+        return Pending(y, [hidden[:, -1:]], [y])
+
+    def _plain_step(self, pending: Pending, timer: PhaseTimer) -> list[int]:
+        """One exact step; its row joins the head's pending rows. Returns the emitted token."""
+        with timer.phase("verify"):
+            prog = self.runtime.step(pending.y)
+        pending.y = prog.ws["argmax"].view(1, 1).clone()
+        pending.hidden.append(prog.ws["hidden"].clone())
+        pending.tokens.append(pending.y)
+        return [int(pending.y.item())]
+
+    def _spec_round(self, pending: Pending, depth: int, emitted: int, timer: PhaseTimer) -> list[int]:
+        """Draft ``depth`` tokens, verify [y, drafts] in one window, keep the accepted prefix and
+        the model's own next token, roll back past it. Returns the kept tokens (accepted + 1)."""
+        rt, dr = self.runtime, self.drafter
+        with timer.phase("draft"):
+            drafts = self.propose(dr.draft(torch.cat(pending.hidden, dim=1), torch.cat(pending.tokens, dim=1), depth),
+                                  emitted)
+        with timer.phase("verify"):
+            block = torch.cat([pending.y] + drafts, dim=1)
+            prog = rt.verify(block)
+            pred = prog.ws["argmax"].view(-1).tolist()
+        drafted = block.view(-1)[1:].tolist()  # ready: reading pred waited for the window
+        j = accepted_prefix(pred, drafted)
+        with timer.phase("rollback"):
+            rt.accept(j + 1)
+        kept = drafted[:j] + [pred[j]]
+        pending.y = torch.tensor([[pred[j]]], device=pending.y.device)
+        pending.hidden = [prog.ws["hidden"][:, :j + 1].clone()]
+        pending.tokens = [torch.tensor([kept], device=pending.y.device)]
+        return kept
 
 
 def file_sha256(path: Path) -> str | None:
@@ -248,6 +289,8 @@ class InstrumentedSpecDecoder(SpecDecoder):
             raise ValueError("alpha must be within 0..1")
         self.alpha, self.seed = float(alpha), int(seed)
         self.reference: dict[tuple[int, ...], list[int]] = {}
+        self._ref: list[int] = []  # the control's tokens for the prompt being decoded
+        self._rng = torch.Generator()  # the substitutions' draws, reseeded per decode
 
     def config(self) -> dict:
         return {**super().config(), "instrument": True, "alpha": self.alpha, "seed": self.seed}
@@ -256,9 +299,7 @@ class InstrumentedSpecDecoder(SpecDecoder):
     def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Compute the control's tokens for this prompt (exact runtime, serial), untimed."""
         n = max_new_tokens + self.max_depth + 1
-        needed = len(prompt_ids) + n + self.max_depth + 2
-        if needed > self.runtime.capacity:
-            self._build(-(-needed // 1024) * 1024)
+        self._ensure_capacity(len(prompt_ids) + n + self.max_depth + 2)
         rt = self.runtime
         logits, _ = rt.prefill(prompt_ids)
         tok = logits.argmax(-1).view(1, 1)

@@ -24,10 +24,10 @@ class RarelyDifferentLinear(torch.nn.Linear):
     """Multi-row products differ from 1-row products in one bf16 step, in ~1 of 10^4 elements,
     from ``from_rows`` rows on."""
 
-    def __init__(self, k, n, from_rows=2, rate=1e-4):
+    def __init__(self, k, n, from_rows=2, rate=1e-4, seed=1):
         super().__init__(k, n, bias=False, dtype=torch.bfloat16)
         self.from_rows, self.rate = from_rows, rate
-        self.flips = torch.Generator().manual_seed(1)
+        self.flips = torch.Generator().manual_seed(seed)  # drawn only on calls of from_rows rows or more
 
     def forward(self, x):
         # the base product is row by row, so it is row-invariant by construction: some CPUs' bf16
@@ -50,13 +50,30 @@ def test_gemm_proof_accepts_an_invariant_gemm():
     assert C._gemm_rows(lin, 8, _rand()) == 8
 
 
-def test_one_random_trial_would_have_missed_it():
-    """Why the proof compares many elements: one 8-row trial of a 32-wide output almost never
-    sees a 10^-4 flip rate (this is what the session-2 calibration did)."""
-    lin, rand = RarelyDifferentLinear(64, 32), _rand()
-    x = rand(1, 8, 64)
-    singles = torch.cat([lin(x[:, i:i + 1].contiguous()) for i in range(8)], dim=1)
-    assert torch.equal(lin(x[:, :2]), singles[:, :2])
+def test_calibration_refuses_to_batch_a_model_gemm_that_differs_rarely(tiny):
+    """The whole start-up proof, on a model whose lm_head (the only 64x512 GEMM) computes 5-row
+    and larger products that differ from its 1-row products in ~1 of 10^4 elements: the proof
+    must find the difference and batch that GEMM over at most 4 rows (rows 1..4 are equal by
+    construction), while the model's other GEMMs keep what the plain model's proof gives them.
+    The flips' seed is one whose first differences come late: a proof comparing one trial per row
+    count (GEMM_ELEMENTS_PER_ROW_COUNT = 1024) misses them all and batches 8 rows."""
+    import copy
+    import dataclasses
+
+    backbone = copy.deepcopy(tiny.backbone)
+    head = backbone.lm_head
+    rare = RarelyDifferentLinear(head.in_features, head.out_features, from_rows=5, seed=4)
+    with torch.no_grad():
+        rare.weight.copy_(head.weight)
+    backbone.lm_head = rare
+    model = dataclasses.replace(tiny, backbone=backbone, extra={})
+    key = C.gemm_key(head.in_features, head.out_features)
+    assert sum(isinstance(m, torch.nn.Linear) and C.gemm_key(m.in_features, m.out_features) == key
+               for m in list(backbone.modules()) + list(tiny.mtp.modules())) == 1
+    proven = C.calibrate(model)
+    assert proven.gemm[key] == 4
+    plain = C.calibrate(tiny)
+    assert {k: v for k, v in proven.gemm.items() if k != key} == {k: v for k, v in plain.gemm.items() if k != key}
 
 
 def test_reduction_proof_compares_the_fp32_statistic():

@@ -99,11 +99,6 @@ def greedy_stream(model, prompt, n):
     return stream
 
 
-def cals(model):
-    return [pytest.param(calibrate(model), id="calibrated"),
-            pytest.param(Calibration.serial_only(), id="row-by-row")]
-
-
 @pytest.mark.parametrize("which", ["tiny", "other"])
 @pytest.mark.parametrize("forced", [False, True], ids=["calibrated", "row-by-row"])
 def test_steps_bit_identical(which, forced, tiny, other):
@@ -203,3 +198,29 @@ def test_capacity_is_enforced(tiny):
     rt = ExactRuntime(tiny, capacity=16, windows=(1, 4))
     with pytest.raises(ValueError):
         rt.prefill(list(range(3, 20)))
+
+
+def test_reset_forgets_the_prompt_and_the_pending_window(tiny):
+    rt = ExactRuntime(tiny, capacity=64, windows=(1, 3))
+    rt.prefill(list(range(3, 12)))
+    rt.verify(torch.tensor([[5, 6, 7]]))
+    rt.reset()
+    assert rt.length == 0 and rt.last_verify is None
+    with pytest.raises(ValueError, match="prefill"):
+        rt.step(torch.tensor([[5]]))
+    with pytest.raises(ValueError, match="prefill"):
+        rt.verify(torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match="pending"):
+        rt.accept(1)
+
+
+def test_constants_belong_to_the_runtime(tiny):
+    """Weight-only constants are made per runtime, so one built after new weights sees them."""
+    a = ExactRuntime(tiny, capacity=32, windows=(1,))
+    a.prefill(list(range(3, 9)))
+    a.step(torch.tensor([[4]]))
+    norm = tiny.backbone.model.norm
+    made = a.constants.get(norm, "scale", lambda: None)
+    assert torch.equal(made, 1.0 + norm.weight.float())
+    b = ExactRuntime(tiny, capacity=32, windows=(1,), cal=a.cal)
+    assert b.constants.get(norm, "scale", lambda: "fresh") == "fresh"

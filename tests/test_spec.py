@@ -53,7 +53,13 @@ def test_instrument_exact_at_fixed_depths(tiny, serial, prompts, depth):
     dec.prepare(tiny)
     res = assert_exact(dec, serial, prompts, 40)
     assert res.stats.accepted > 0 and res.stats.drafted > res.stats.accepted  # accepts and rejects happened
-    assert set(res.stats.extra["depth_trace"]) == {depth} or res.stats.extra["depth_trace"][-1] < depth
+    # every round at the fixed depth, except the last few, cut to the tokens still wanted
+    trace = res.stats.extra["depth_trace"]
+    full = len(trace) - sum(1 for d in trace if d != depth)
+    assert trace[:full] == [depth] * full and full >= len(trace) - (depth - 1)
+    tail = trace[full:]
+    assert all(0 < b < a < depth for a, b in zip(tail, tail[1:])) and all(0 < d < depth for d in tail)
+    assert len(res.tokens) == 40  # no EOS in tiny's stream here: the cut rounds end exactly at n
 
 
 def test_instrument_adaptive_every_accept_length(tiny, serial, prompts):
@@ -130,3 +136,22 @@ def test_bad_arguments():
         SpecDecoder(max_depth=99)
     with pytest.raises(ValueError):
         InstrumentedSpecDecoder(alpha=1.5)
+
+
+def test_accepted_prefix_counts_leading_agreement():
+    from decoders.spec import accepted_prefix
+
+    assert accepted_prefix([5, 6, 7, 8], [5, 6, 7]) == 3  # all accepted: the 4th row is the bonus token
+    assert accepted_prefix([5, 6, 7, 8], [5, 9, 7]) == 1  # a later agreement after a miss does not count
+    assert accepted_prefix([5, 6], [4]) == 0
+    assert accepted_prefix([5], []) == 0
+
+
+def test_measured_costs_keep_every_rep(tiny):
+    dec = SpecDecoder(max_depth=2)
+    dec.prepare(tiny)
+    reps, cfg = dec.cost_reps, dec.config()
+    assert len(reps["step"]) == len(reps["draft"]) == 7 and sorted(reps["verify"]) == [1, 2, 3]
+    assert dec.costs.step == min(reps["step"]) and dec.costs.verify[3] == min(reps["verify"][3])
+    assert cfg["cost_reps_s"]["verify"]["2"] == reps["verify"][2] and cfg["costs_s"]["draft"] == min(reps["draft"])
+    assert not dec.runtime.prefilled  # measuring left nothing a decode could continue from

@@ -36,19 +36,23 @@ def linear(lin: torch.nn.Linear, x: torch.Tensor, cal) -> torch.Tensor:
     return rows(lin, x, 1, cal.gemm_rows(lin))
 
 
-_CONSTANTS: dict = {}
+class Constants:
+    """Weight-only tensors HF recomputes on every call (e.g. ``1.0 + weight.float()``), computed
+    once with the same ops, so the same bits, and kept: fewer kernels per step. Owned by whoever
+    runs the forwards (the runtime, the drafter), which holds the modules for as long as it lives;
+    a runtime built after new weights are loaded computes them afresh."""
+
+    def __init__(self):
+        self._made: dict[tuple[int, str], torch.Tensor] = {}
+
+    def get(self, module, name: str, make) -> torch.Tensor:
+        key = (id(module), name)  # the owner keeps the module alive, so its id stays its own
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
 
 
-def constant(module, name: str, make):
-    """A weight-only tensor HF recomputes on every call (e.g. ``1.0 + weight.float()``), computed
-    once with the same ops, so the same bits, and kept: fewer kernels per step."""
-    key = (id(module), name)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = (module, make())  # holding the module keeps its id unique
-    return _CONSTANTS[key][1]
-
-
-def rms_norm(norm, x: torch.Tensor, cal, batch: int | None = None) -> torch.Tensor:
+def rms_norm(norm, x: torch.Tensor, cal, consts: Constants, batch: int | None = None) -> torch.Tensor:
     """Qwen3_5RMSNorm (zero-centred weight) over x's last dim, rows along dim 1; the statistic is
     computed in row chunks of ``batch`` (default: the hidden-size proof)."""
     batch = cal.hidden_mean if batch is None else batch
@@ -56,7 +60,7 @@ def rms_norm(norm, x: torch.Tensor, cal, batch: int | None = None) -> torch.Tens
     sq = xf.pow(2)
     var = row_mean(sq, batch)
     out = xf * ew(torch.rsqrt, var + norm.eps, 1, cal)
-    out = out * constant(norm, "scale", lambda: 1.0 + norm.weight.float())
+    out = out * consts.get(norm, "scale", lambda: 1.0 + norm.weight.float())
     return out.type_as(x)
 
 
@@ -98,7 +102,8 @@ def serial_sdpa(attn, query, key, value) -> torch.Tensor:
 # --------------------------------------------------------------------------- Gated-DeltaNet
 
 
-def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, deferred: bool = False):
+def gdn_window(mod, x, conv_state, rec_state, cal, consts: Constants, conv_cat, rec_capture=None,
+               deferred: bool = False):
     """Gated-DeltaNet token mixer over w rows. Updates ``conv_state`` and ``rec_state`` in place to
     the state after the last row and returns the output [1,w,H]. ``conv_cat`` ([1,C,K+w]) receives
     [conv state ++ window inputs], so the conv state after row i is ``conv_cat[..., i+1:i+1+K]``;
@@ -130,10 +135,10 @@ def gdn_window(mod, x, conv_state, rec_state, cal, conv_cat, rec_capture=None, d
     mixed = conv.to(qkv.dtype).float().transpose(1, 2)
     value = mixed[..., 2 * mod.key_dim:].reshape(1, w, -1, mod.head_v_dim)
     beta = ew(torch.sigmoid, b, 1, cal)
-    neg_a = constant(mod, "neg_A", lambda: -mod.A_log.float().exp())
+    neg_a = consts.get(mod, "neg_A", lambda: -mod.A_log.float().exp())
     # HF: softplus(a.float() + dt_bias) in fp32; with dt_bias kept in fp32, bf16 a + fp32 promotes
     # a exactly inside the add: the same sum, one kernel fewer
-    dt_bias = constant(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
+    dt_bias = consts.get(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
     g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
     rep = mod.num_v_heads // mod.num_k_heads
     fused = w <= cal.qk_l2norm
@@ -236,7 +241,7 @@ def batched_readout_rows(query, states, batch: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- gated attention
 
 
-def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal):
+def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constants):
     """Projections, per-head norms, RoPE; writes this window's K/V into the static buffers at
     ``positions``. Returns (per-row contiguous queries, gate)."""
     w = x.shape[1]
@@ -244,8 +249,9 @@ def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal):
     query, gate = torch.chunk(linear(mod.q_proj, x, cal).view(1, w, -1, hd * 2), 2, dim=-1)
     if not cal.elementwise:  # HF's contiguous gate, so that sigmoid sees the serial layout
         gate = gate.reshape(1, w, -1)
-    query = rms_norm(mod.q_norm, query.view(1, w, -1, hd), cal, cal.head_norm).transpose(1, 2)
-    key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, cal.head_norm).transpose(1, 2)
+    query = rms_norm(mod.q_norm, query.view(1, w, -1, hd), cal, consts, cal.head_norm).transpose(1, 2)
+    key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, consts,
+                   cal.head_norm).transpose(1, 2)
     value = linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2)
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     kbuf.index_copy_(2, positions, key)

@@ -13,11 +13,12 @@ from functools import partial
 import torch
 
 from decoders.runtime import layers as L
+from decoders.runtime.graphs import capture_segments, run_segments
 
 
 class WindowProgram:
-    def __init__(self, model, state, rope, cal, w: int, capture_states: bool):
-        self.model, self.state, self.rope, self.cal, self.w = model, state, rope, cal, w
+    def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool):
+        self.model, self.state, self.rope, self.cal, self.consts, self.w = model, state, rope, cal, consts, w
         self.capture_states = capture_states
         lm = model.backbone
         dev = model.device
@@ -30,25 +31,26 @@ class WindowProgram:
         conv_all = state.conv_all
         self.conv_cat = torch.zeros((*conv_all.shape[:-1], conv_all.shape[-1] + w), dtype=conv_all.dtype, device=dev)
         self.ws: dict = {}  # tensors passed between steps; on the GPU their addresses are the graphs'
+        self.start = 0  # the window's first position, read by the eager attention segments
         self.segments = self._build()
-        self.graphs = None
-        self.start = 0
+        self.graphs: list | None = None  # one per segment once captured (None for eager ones)
 
     # ------------------------------------------------------------------ the forward, as steps
 
     def _build(self):
+        """The forward as ("graph", fn) / ("eager", fn) segments (graphs.py), cut at attention."""
         segments, current = [], [self._embed]
         for idx, layer in enumerate(self.model.backbone.model.layers):
             if idx in self.state.attn_layers:
                 current.append(partial(self._attn_pre, idx))
-                segments.append(("graph", current))
+                segments.append(("graph", partial(run_all, current)))
                 segments.append(("eager", partial(self._attn_core, idx)))
                 current = [partial(self._attn_post, idx)]
             else:
                 current.append(partial(self._gdn, idx))
         current.append(self._commit_states)
         current.append(self._head)
-        segments.append(("graph", current))
+        segments.append(("graph", partial(run_all, current)))
         return segments
 
     def _embed(self):
@@ -61,18 +63,18 @@ class WindowProgram:
     def _gdn(self, idx):
         layer = self.model.backbone.model.layers[idx]
         x = self.ws["x"]
-        h = L.rms_norm(layer.input_layernorm, x, self.cal)
+        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts)
         cap = self.state.rec_capture[idx] if self.capture_states else None
-        h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal,
+        h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal, self.consts,
                          self.conv_cat[self.state.slot[idx]], cap, deferred=True)
         self._mlp(layer, x + h)
 
     def _attn_pre(self, idx):
         layer = self.model.backbone.model.layers[idx]
         x = self.ws["x"]
-        h = L.rms_norm(layer.input_layernorm, x, self.cal)
+        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts)
         q_rows, gate = L.attention_pre(layer.self_attn, h, self.ws["cos"], self.ws["sin"], self.state.keys[idx],
-                                       self.state.values[idx], self.positions, self.cal)
+                                       self.state.values[idx], self.positions, self.cal, self.consts)
         self.ws[("q", idx)], self.ws[("gate", idx)] = q_rows, gate
 
     def _attn_core(self, idx):
@@ -86,7 +88,7 @@ class WindowProgram:
         self._mlp(layer, self.ws["x"] + h)
 
     def _mlp(self, layer, x):
-        h = L.rms_norm(layer.post_attention_layernorm, x, self.cal)
+        h = L.rms_norm(layer.post_attention_layernorm, x, self.cal, self.consts)
         self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal)
 
     def _commit_states(self):
@@ -101,52 +103,29 @@ class WindowProgram:
 
     def _head(self):
         lm = self.model.backbone
-        hidden = L.rms_norm(lm.model.norm, self.ws["x"], self.cal)
+        hidden = L.rms_norm(lm.model.norm, self.ws["x"], self.cal, self.consts)
         self.ws["hidden"] = hidden
         self.ws["logits"] = L.linear(lm.lm_head, hidden, self.cal)
         self.ws["argmax"] = self.ws["logits"].argmax(-1)
 
     # ------------------------------------------------------------------ running
 
-    def _run_eager(self):
-        for kind, body in self.segments:
-            if kind == "graph":
-                for fn in body:
-                    fn()
-            else:
-                body()
+    def run_eager(self) -> None:
+        """Every segment called eagerly (what the graphs replay; profiling reads these kernels)."""
+        run_segments(self.segments, None)
 
     def capture(self, pool, start: int) -> None:
-        """Warm up eagerly on a side stream, then capture each graph segment (GPU only)."""
+        """Capture the graph segments at positions start..start+w-1 (GPU only; graphs.py)."""
         self.start = start
         self.positions.copy_(torch.arange(start, start + self.w, device=self.positions.device))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run_eager()
-        torch.cuda.current_stream().wait_stream(side)
-        graphs = []
-        for kind, body in self.segments:
-            if kind == "graph":
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    for fn in body:
-                        fn()
-                graphs.append(g)
-            else:
-                graphs.append(None)
-                body()
-        self.graphs = graphs
+        self.graphs = capture_segments(self.segments, pool)
 
     def run(self, start: int) -> None:
         """Forward the rows already in ``self.tokens`` at positions start..start+w-1."""
         self.start = start
-        if self.graphs is None:
-            self._run_eager()
-            return
-        for (kind, body), graph in zip(self.segments, self.graphs):
-            if graph is not None:
-                graph.replay()
-            else:
-                body()
+        run_segments(self.segments, self.graphs)
+
+
+def run_all(fns) -> None:
+    for fn in fns:
+        fn()

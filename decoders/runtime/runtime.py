@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from decoders.runtime.calibration import Calibration, calibrate
+from decoders.runtime.graphs import capture_segments
+from decoders.runtime.layers import Constants
 from decoders.runtime.program import WindowProgram
 from decoders.runtime.state import StaticState
 
@@ -27,18 +29,21 @@ class ExactRuntime:
         self.capacity = capacity
         self.max_window = max(windows)
         self.cal = cal or calibrate(model, max_rows=max(8, self.max_window))
+        self.constants = Constants()  # weight-only tensors of this model's forward, made once
         self.state = StaticState(lm, capacity, self.max_window, self.device)
         self.rope = self._rope_table(capacity)
+        self._arange = torch.arange(capacity, device=self.device)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        for w in windows:
-            self.program(w, capture=w > 1)
-        self.length = 0  # tokens whose state is committed
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
         self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
         self._rollback_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.last_verify: WindowProgram | None = None
+        self.length = 0  # tokens whose state is committed
+        self.prefilled = False  # whether a prefill has set the state a step or window continues
+        self.last_verify: WindowProgram | None = None  # the window ``accept`` commits rows of
+        for w in windows:
+            self.program(w, capture=w > 1)
 
     # ------------------------------------------------------------------ setup
 
@@ -60,7 +65,8 @@ class ExactRuntime:
     def program(self, w: int, capture: bool) -> WindowProgram:
         key = (w, capture)
         if key not in self.programs:
-            prog = WindowProgram(self.model, self.state, self.rope, self.cal, w, capture_states=capture)
+            prog = WindowProgram(self.model, self.state, self.rope, self.cal, self.constants, w,
+                                 capture_states=capture)
             if self.use_graphs:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
                 # state intact for a program built mid-decode
@@ -89,9 +95,20 @@ class ExactRuntime:
         logits = lm.lm_head(hidden[:, -1:, :])
         self.state.load_from_cache(cache, len(prompt_ids))
         self.length = len(prompt_ids)
+        self.prefilled = True
+        self.last_verify = None
         return logits[:, -1], hidden
 
+    def reset(self) -> None:
+        """Forget the committed length and any pending window: the next call must be ``prefill``
+        (e.g. after timing steps and windows whose results nobody keeps)."""
+        self.length = 0
+        self.prefilled = False
+        self.last_verify = None
+
     def _check_room(self, w: int) -> None:
+        if not self.prefilled:
+            raise ValueError("the runtime holds no prompt: call prefill first")
         if self.length + w > self.capacity:
             raise ValueError(f"runtime capacity {self.capacity} exceeded at length {self.length} + {w}")
 
@@ -127,6 +144,8 @@ class ExactRuntime:
         """Commit the first ``rows`` rows (1..w) of the last verify window; roll the recurrent and
         conv state back to the one captured after row rows-1."""
         prog = self.last_verify
+        if prog is None:
+            raise ValueError("accept without a pending verify window")
         w = prog.w
         if not 1 <= rows <= w:
             raise ValueError(f"accept({rows}) outside 1..{w}")
@@ -148,20 +167,10 @@ class ExactRuntime:
             copies()
             return
         key = (prog.w, rows)
-        graph = self._rollback_graphs.get(key)
-        if graph is None:
-            side = torch.cuda.Stream()  # warm-up outside the capture, as graph capture requires
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                copies()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                copies()
-            self._rollback_graphs[key] = graph
-        graph.replay()
+        if key not in self._rollback_graphs:
+            # its copies only move data between static buffers, so the warm-up run is a rollback too
+            self._rollback_graphs[key] = capture_segments([("graph", copies)], self.pool, warmups=1)[0]
+        self._rollback_graphs[key].replay()
 
     def _positions(self, start: int, w: int) -> torch.Tensor:
-        if not hasattr(self, "_arange"):
-            self._arange = torch.arange(self.capacity, device=self.device)
         return self._arange[start:start + w]

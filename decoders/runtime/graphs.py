@@ -1,0 +1,52 @@
+"""CUDA-graph capture of a forward cut into segments: the one warm-up + capture sequence that the
+runtime's window programs, its rollback copies and the drafter's forwards all use.
+
+A segment is ``("graph", fn)`` (captured, later replayed) or ``("eager", fn)`` (run as it is,
+e.g. attention over a KV length that changes every call). Capture needs the segments' lazy
+initialisation and first allocations done beforehand, outside any capture, and on a side stream
+(PyTorch's documented requirement), so every segment is warmed up first, in order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+Segment = tuple[str, Callable[[], None]]
+
+
+def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2) -> list[torch.cuda.CUDAGraph | None]:
+    """Run the segments in order ``warmups`` times on a side stream, then capture each "graph"
+    segment in ``pool`` and run each "eager" one in between (so a later graph captures the
+    buffers its eager predecessor writes). Returns one graph per segment, None for eager ones."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            for _, fn in segments:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs: list[torch.cuda.CUDAGraph | None] = []
+    for kind, fn in segments:
+        if kind == "graph":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                fn()
+            graphs.append(graph)
+        else:
+            fn()
+            graphs.append(None)
+    return graphs
+
+
+def run_segments(segments: Sequence[Segment], graphs: Sequence[torch.cuda.CUDAGraph | None] | None) -> None:
+    """Each segment once, in order: replayed where captured, else called."""
+    if graphs is None:
+        for _, fn in segments:
+            fn()
+        return
+    for (_, fn), graph in zip(segments, graphs):
+        if graph is not None:
+            graph.replay()
+        else:
+            fn()

@@ -1,0 +1,197 @@
+"""The CUDA-graphed runtime, the drafter's graphs and the exact decoders on a GPU, bit for bit.
+
+Every test is marked ``cuda`` and skipped without a GPU (``pytest -m cuda tests/test_cuda.py`` on a
+GPU machine). The process runs in the pinned deterministic configuration (conftest.py pins it
+before CUDA starts). Models: the built-in ``tiny`` (with its MTP head) and a second small random
+Qwen3.5 with other head counts (test_runtime.random_model), both moved to the GPU. The reference
+for the runtime is the eager serial control (HF forward + DynamicCache, one token per forward);
+for the drafter, the same drafter run eagerly (its drafts need not be exact, only its graphs
+faithful).
+"""
+import dataclasses
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from core import determinism
+from decoders.drafter import MTPDrafter
+from decoders.runtime.runtime import ExactRuntime
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from core.models import load_model
+    from test_runtime import random_model  # a helper of that module, not a test
+
+    assert not determinism.differences(determinism.PINNED,
+                                       {k: v for k, v in determinism.current().items() if k in determinism.PINNED})
+    other = random_model()
+    other = dataclasses.replace(other, backbone=other.backbone.to("cuda"), device=torch.device("cuda"), extra={})
+    return {"tiny": load_model("tiny", "cuda"), "other": other}
+
+
+@torch.inference_mode()
+def control(model, prompt: list[int], n: int):
+    """The serial control along its own greedy stream: (stream of n tokens, logits[k] after
+    prompt + stream[:k] for k = 0..n, cache snapshots states[k] at the same points)."""
+    lm, dev = model.backbone, model.device
+    cache = DynamicCache(config=lm.config)
+    out = lm(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits, states, stream = [out.logits[:, -1].clone()], [snapshot(lm, cache)], []
+    for _ in range(n):
+        nxt = out.logits[:, -1].argmax(-1)
+        stream.append(int(nxt.item()))
+        out = lm(input_ids=nxt.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1].clone())
+        states.append(snapshot(lm, cache))
+    return stream, logits, states
+
+
+def snapshot(lm, cache) -> dict:
+    snap = {}
+    for i, layer in enumerate(lm.model.layers):
+        c = cache.layers[i]
+        if hasattr(layer, "self_attn"):
+            snap[i] = (c.keys.clone(), c.values.clone())
+        else:
+            snap[i] = (c.conv_states[0].clone(), c.recurrent_states[0].clone())
+    return snap
+
+
+def assert_state_equal(rt: ExactRuntime, snap: dict) -> None:
+    st = rt.state
+    for i in st.attn_layers:
+        k, v = snap[i]
+        n = k.shape[2]
+        assert n == rt.length
+        assert torch.equal(st.keys[i][:, :, :n], k) and torch.equal(st.values[i][:, :, :n], v), f"KV layer {i}"
+    for i in st.gdn_layers:
+        conv, rec = snap[i]
+        assert torch.equal(st.conv[i], conv), f"conv state layer {i}"
+        assert torch.equal(st.rec[i], rec), f"recurrent state layer {i}"
+
+
+def random_prompt(model, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, model.vocab_size) for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_graphed_steps_equal_the_control(models, which):
+    model = models[which]
+    prompt = random_prompt(model, 29, seed=1)
+    stream, ref_logits, ref_states = control(model, prompt, 40)
+    rt = ExactRuntime(model, capacity=128, windows=(1,))
+    assert rt.use_graphs and rt.program(1, capture=False).graphs is not None
+    logits, _ = rt.prefill(prompt)
+    assert torch.equal(logits, ref_logits[0])
+    for k, t in enumerate(stream):
+        prog = rt.step(torch.tensor([[t]], device=model.device))
+        assert torch.equal(prog.ws["logits"][:, -1], ref_logits[k + 1]), f"step {k}"
+        assert int(prog.ws["argmax"].view(-1)[0]) == int(ref_logits[k + 1].argmax(-1))
+    assert_state_equal(rt, ref_states[len(stream)])
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_graphed_windows_rollback_and_continue_equal_the_control(models, which):
+    """Windows of every size 1..8 (each captured as graphs), with wrong drafts after a true
+    prefix, partial accepts (graphed rollbacks) and plain steps in between; every true row's
+    logits and the state after every commit equal the control's."""
+    model = models[which]
+    dev = model.device
+    prompt = random_prompt(model, 21, seed=2)
+    n = 150
+    stream, ref_logits, ref_states = control(model, prompt, n)
+    rt = ExactRuntime(model, capacity=256, windows=tuple(range(1, 9)))
+    assert all(rt.program(w, capture=True).graphs is not None for w in range(2, 9))
+    rt.prefill(prompt)
+    rng = random.Random(3)
+    c, sizes, partial = 0, set(), 0
+    while c < n - 8:
+        if rng.random() < 0.15:  # a plain step continues from whatever the last commit left
+            prog = rt.step(torch.tensor([[stream[c]]], device=dev))
+            assert torch.equal(prog.ws["logits"][:, -1], ref_logits[c + 1]), f"step at {c}"
+            c += 1
+            assert_state_equal(rt, ref_states[c])
+            continue
+        w = len(sizes) + 1 if len(sizes) < 8 else rng.randint(1, 8)
+        good = rng.randint(1, w)  # rows holding the true stream; the rest are wrong drafts
+        toks = stream[c:c + good] + [(stream[c + i] + 1 + rng.randrange(model.vocab_size - 1)) % model.vocab_size
+                                     for i in range(good, w)]
+        prog = rt.verify(torch.tensor([toks], device=dev))
+        for i in range(good):
+            assert torch.equal(prog.ws["logits"][:, i], ref_logits[c + i + 1]), f"window {w} at {c}, row {i}"
+        rows = rng.randint(1, good)
+        rt.accept(rows)
+        sizes.add(w)
+        partial += rows < w
+        c += rows
+        assert_state_equal(rt, ref_states[c])
+    assert sizes == set(range(1, 9)) and partial >= 10
+    assert len(rt._rollback_graphs) >= 5  # rollbacks ran as captured graphs
+
+
+def test_drafter_graphs_equal_the_same_drafter_eager(models):
+    """Catch-ups of every graphed size (and longer ones in chunks) and chained steps, replayed
+    from graphs, draft and write K/V exactly as the same functions run eagerly."""
+    model = models["tiny"]
+    cap, dev = 256, model.device
+    graphed = MTPDrafter(model, cap, max_rows=7)
+    eager = MTPDrafter(model, cap, max_rows=7, use_graphs=False)
+    assert graphed.pool is not None and eager.pool is None
+    assert all(graphs is not None for _, graphs in graphed._rows.values())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(model.vocab_size, (1, cap), generator=g).to(dev)
+    hidden = torch.randn(1, cap, model.backbone.config.hidden_size, generator=g).to(device=dev, dtype=graphed.keys.dtype)
+    prompt = 12
+    for d in (graphed, eager):
+        d.prefill(hidden[:, :prompt], tokens[0, :prompt].tolist())
+    pos, seen = prompt - 1, set()
+    for m, depth in [(1, 1), (3, 4), (7, 2), (2, 6), (5, 1), (16, 3), (4, 7), (40, 2), (6, 5), (65, 3), (1, 1)]:
+        rows_h, rows_t = hidden[:, pos:pos + m], tokens[:, pos + 1:pos + 1 + m]
+        got = [int(t) for t in graphed.draft(rows_h, rows_t, depth)]
+        want = [int(t) for t in eager.draft(rows_h, rows_t, depth)]
+        assert got == want, (m, depth)
+        assert torch.equal(graphed.keys, eager.keys) and torch.equal(graphed.values, eager.values), (m, depth)
+        assert torch.equal(graphed.in_hidden, eager.in_hidden)
+        pos += m
+        seen.update(got)
+    assert len(seen) > 3
+
+
+@pytest.fixture(scope="module")
+def serial_tokens(models):
+    from decoders.serial import SerialDecoder
+    from fixtures.prompts import DEV_PROMPTS
+
+    model = models["tiny"]
+    tok = model.tokenizer.get()
+    prompts = [tok.encode(p["text"]) for p in DEV_PROMPTS[:4]]
+    serial = SerialDecoder()
+    serial.prepare(model)
+    return prompts, [serial.decode(ids, 96).tokens for ids in prompts]
+
+
+@pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec", {}), ("spec", {"depth": 3}),
+                                         ("spec-instrument", {"alpha": 0.8, "max_depth": 6}),
+                                         ("spec-instrument", {"alpha": 1.0, "depth": 5})])
+def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
+    from decoders import get_decoder
+
+    prompts, want = serial_tokens
+    dec = get_decoder(name, **kwargs)
+    dec.prepare(models["tiny"])
+    assert dec.config()["graphs"] is True
+    accepted = 0
+    for ids, ref in zip(prompts, want):
+        for _ in range(2):  # a second decode reuses every captured graph
+            res = dec.decode(ids, 96)
+            assert res.tokens == ref
+        accepted += res.stats.accepted
+    if name == "spec-instrument":
+        assert accepted > 0  # long accepted runs and rollbacks really happened on the GPU
