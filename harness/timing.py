@@ -1,33 +1,56 @@
 """Side-by-side timing of a candidate decoder against the serial control, in one process.
 
-Per prompt: an untimed warm-up of both (``warmup_tokens`` new tokens), then ``legs`` timed
-decodes of each in ABBA order. Each leg is timed around the whole decode with the device
-synchronised on both ends; CUDA legs also record the allocator's peak. Every raw value goes
-to the stream; statistics (medians, ratios) are computed separately from those values.
+Per prompt: an untimed warm-up of both on a different prompt of the same length (``warmup_ids``:
+token ids drawn from the run's seed and the prompt's index, never from the prompt itself), then
+``legs`` timed decodes of each in ABBA order. Only a decoder that declares itself an instrument
+(``instrument = True``, never scored by the audit) gets the untimed ``prepare_prompt`` call. Each
+leg is timed around the whole decode with the device synchronised on both ends; CUDA legs also
+record the allocator's peak. Every raw value goes to the stream; the ratio of a prompt counts the
+candidate's first leg (``core.schema.prompt_ratio``), so its first encounter with the prompt.
+
+In-process integrity: ``Watch`` notes, when the run begins, the determinism settings, the default
+dtype, the clock and its ``time.perf_counter``, this module's timing functions, the torch calls
+they rest on, and the control decoder's class and bound ``decode``; it re-reads them after both
+decoders' ``prepare()``, after each warm-up and after every leg, and each change becomes a
+``violation`` record, which fails the audit.
+
+What a decoder sharing this process can still do: change something inside its own decode and
+restore it before returning, reach the checker itself or state no identity check sees (the
+shared model's modules, a library's internals), and precompute answers for any prompt set it can
+load by itself (the built-in sets). The answer to all of that is ``audit retime``: fresh prompts
+the stream never held, the candidate and the control each in a process of its own, timed by the
+audit's clock.
 """
 from __future__ import annotations
 
+import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from core.schema import abba_roles
+from core import determinism
+from core.schema import abba_roles, prompt_ratio
 
 
-@dataclass
+@dataclass(frozen=True)
 class Clock:
-    """Monotonic seconds since the run began, shared by every leg of a run."""
+    """Monotonic seconds since the run began, shared by every leg of a run. The counter is the
+    ``time.perf_counter`` of the moment the run began, so a later patch of it does not reach legs."""
 
     origin: float
+    counter: Callable[[], float]
 
     @classmethod
     def start(cls) -> "Clock":
-        return cls(time.perf_counter())
+        counter = time.perf_counter
+        return cls(counter(), counter)
 
     def now(self) -> float:
-        return time.perf_counter() - self.origin
+        return self.counter() - self.origin
 
 
 def synchronize(device: torch.device) -> None:
@@ -56,33 +79,140 @@ def timed_decode(decoder, prompt_ids, max_new_tokens, device, clock: Clock) -> d
     }
 
 
-def time_prompt(prompt, decoders: dict, max_new_tokens: int, legs: int, warmup_tokens: int,
-                device: torch.device, clock: Clock, on_leg=None) -> list[dict]:
-    """Warm up both decoders on the prompt, then run ``legs`` legs of each in ABBA order.
-    Returns the leg records in the order they ran."""
+def is_instrument(decoder) -> bool:
+    """A benchmark instrument declares itself (``instrument = True``); the header records the mark
+    and the audit never scores such a run."""
+    return getattr(decoder, "instrument", False) is True
+
+
+def warmup_ids(seed: int, index: int, length: int, vocab_size: int, prompt_ids: list[int]) -> list[int]:
+    """The warm-up prompt of prompt ``index``: ``length`` ids drawn from (seed, index) alone. A
+    derivation from the prompt's content could be inverted by a decoder to learn the timed prompt
+    during the warm-up; the prompt is read only to refuse a draw equal to it."""
+    rng = random.Random(f"qwen35-exact/warmup/{seed}/{index}")
+    while True:
+        ids = [rng.randrange(vocab_size) for _ in range(length)]
+        if ids != list(prompt_ids):
+            return ids
+
+
+# --------------------------------------------------------------------------- in-process integrity
+
+# module:attribute paths whose objects the timing rests on, re-resolved at every check
+WATCHED = ("time:perf_counter", "harness.timing:timed_decode", "harness.timing:synchronize",
+           "harness.timing:time_prompt", "harness.timing:Clock", "torch.cuda:synchronize",
+           "torch.cuda:reset_peak_memory_stats", "torch.cuda:max_memory_allocated",
+           "core.determinism:current", "core.determinism:differences")
+
+
+def resolve(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(sys.modules[module], attr, None)
+
+
+def class_attributes(cls: type) -> dict[tuple[str, str], object]:
+    """Every attribute defined on ``cls`` and its bases (``object`` aside), by (class, name)."""
+    return {(klass.__qualname__, name): value for klass in cls.__mro__[:-1] for name, value in vars(klass).items()}
+
+
+class Watch:
+    """What a run's timing rests on, as it was when the run began. ``check(at)`` returns a
+    violation record for every change since, each problem once."""
+
+    def __init__(self, settings: dict, clock: Clock):
+        self.settings = dict(settings)
+        self.dtype = torch.get_default_dtype()
+        self.clock = clock
+        self.clock_state = (type(clock), clock.origin, clock.counter, Clock.now)
+        self.objects = {path: resolve(path) for path in WATCHED}
+        self.control = None
+        self.control_state = None
+        self.reported: set[str] = set()
+        # held here, so that a patch of the module functions cannot blind the check itself
+        self._current, self._differences, self._dtype = determinism.current, determinism.differences, torch.get_default_dtype
+
+    def watch_control(self, control) -> None:
+        """Note the control decoder before any decoder is prepared: its class, every attribute of
+        its class, and the function its ``decode`` is bound to."""
+        decode = control.decode
+        self.control = control
+        self.control_state = (type(control), class_attributes(type(control)), getattr(decode, "__func__", decode))
+
+    def problems(self, clock: Clock | None = None) -> list[str]:
+        out = [f"determinism setting {d}" for d in self._differences(self.settings, self._current())]
+        if self._dtype() != self.dtype:
+            out.append(f"default dtype is {self._dtype()}, the run began with {self.dtype}")
+        for path, obj in self.objects.items():
+            if resolve(path) is not obj:
+                out.append(f"{path.replace(':', '.')} was replaced")
+        own = self.clock
+        if (type(own), own.origin, own.counter, Clock.now) != self.clock_state:
+            out.append("the run's clock was altered")
+        if clock is not None and clock is not own:
+            out.append("the legs were timed by another clock than the run's")
+        if self.control is not None:
+            out += self.control_problems()
+        return out
+
+    def control_problems(self) -> list[str]:
+        cls, attrs, decode_func = self.control_state
+        control, out = self.control, []
+        if type(control) is not cls:
+            out.append(f"the control decoder's class is now {type(control).__qualname__}, not {cls.__qualname__}")
+        now = class_attributes(cls)
+        changed = sorted(f"{k[0]}.{k[1]}" for k in now.keys() | attrs.keys() if now.get(k) is not attrs.get(k))
+        if changed:
+            out.append(f"the control decoder's class attributes changed: {', '.join(changed)}")
+        decode = control.decode
+        if getattr(decode, "__func__", None) is not decode_func or getattr(decode, "__self__", None) is not control:
+            out.append("the control decoder's decode is no longer its class's method")
+        return out
+
+    def check(self, at: str, clock: Clock | None = None) -> list[dict]:
+        new = [p for p in self.problems(clock) if p not in self.reported]
+        self.reported.update(new)
+        return [{"type": "violation", "at": at, "problem": p} for p in new]
+
+
+# --------------------------------------------------------------------------- one prompt
+
+
+def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, legs: int, warmup_tokens: int,
+                device: torch.device, clock: Clock, watch: Watch | None = None, on_leg=None) -> list[dict]:
+    """Warm both decoders up on ``warmup`` (another prompt of the same length), then run ``legs``
+    legs of each in ABBA order. Returns the leg records in the order they ran, each followed by
+    the violation records its integrity check found (when ``watch`` is given)."""
+    records = []
     for role in ("control", "candidate"):
-        # untimed per-prompt preparation, used only by benchmark instruments (which the audit
-        # refuses to score): a real decoder that did work here would be hiding it from the clock
-        prepare_prompt = getattr(decoders[role], "prepare_prompt", None)
-        if callable(prepare_prompt):
+        decoder = decoders[role]
+        prepare_prompt = getattr(decoder, "prepare_prompt", None)
+        if is_instrument(decoder) and callable(prepare_prompt):
+            # untimed per-prompt preparation, for instruments only (the audit never scores them):
+            # a scored decoder doing work here would be hiding it from the clock
             prepare_prompt(prompt.token_ids, max_new_tokens)
         if warmup_tokens > 0:
-            decoders[role].decode(prompt.token_ids, min(warmup_tokens, max_new_tokens))
-    records, seen = [], {"control": 0, "candidate": 0}
+            decoder.decode(warmup, min(warmup_tokens, max_new_tokens))
+    if watch is not None:
+        records += watch.check(f"after the warm-up of prompt {prompt.id}", clock)
+    seen = {"control": 0, "candidate": 0}
     for order, role in enumerate(abba_roles(legs)):
         leg = timed_decode(decoders[role], prompt.token_ids, max_new_tokens, device, clock)
         rec = {"type": "leg", "prompt_id": prompt.id, "role": role, "leg": seen[role], "order": order, **leg}
         seen[role] += 1
         records.append(rec)
+        if watch is not None:
+            records += watch.check(f"after leg {role}#{rec['leg']} of prompt {prompt.id}", clock)
         if on_leg:
             on_leg(rec)
     return records
 
 
 def summarize_prompt(prompt_id: str, legs: list[dict]) -> dict:
-    """The harness's own per-prompt summary (the audit recomputes it from the raw legs)."""
+    """The harness's own per-prompt summary of its leg records (the audit recomputes it from the
+    raw legs): ratio = control median / the candidate's first leg; the candidate's median stays."""
     ctl = [r["wall_s"] for r in legs if r["role"] == "control"]
     cand = [r["wall_s"] for r in legs if r["role"] == "candidate"]
+    first = next(r["wall_s"] for r in legs if r["role"] == "candidate" and r["leg"] == 0)
     c_med, k_med = statistics.median(ctl), statistics.median(cand)
     c_tok = len(next(r for r in legs if r["role"] == "control")["tokens"])
     k_tok = len(next(r for r in legs if r["role"] == "candidate")["tokens"])
@@ -91,7 +221,8 @@ def summarize_prompt(prompt_id: str, legs: list[dict]) -> dict:
         "prompt_id": prompt_id,
         "control_median_s": c_med,
         "candidate_median_s": k_med,
-        "ratio": c_med / k_med,
+        "candidate_first_s": first,
+        "ratio": prompt_ratio(ctl, first),
         "control_tokens_per_s": c_tok / c_med,
         "candidate_tokens_per_s": k_tok / k_med,
     }

@@ -4,15 +4,32 @@
   SkipLayers   skips backbone layers to go fast: wrong logits          -> exactness finding
   PromptCache  serial the first time, then tokens cached on the request -> warm-leg finding
 
+Attacks on the timing from inside the harness's process (tests/test_timing_integrity.py):
+
+  WarmupCache         every decode computes ``horizon`` tokens and caches them on the prompt, so a
+                      warm-up on the timed prompt would make every timed leg a lookup
+  PreparePromptCache  computes the answer in ``prepare_prompt`` (untimed) without being an instrument
+  UnmarkedInstrument  spec-instrument's oracle without the instrument mark
+  SlowsControl        prepare() makes the control's decode sleep
+  ShortensOwnLegs     prepare() replaces the harness's timed_decode to cut its own legs to a quarter
+  Unpinned            prepare() turns deterministic algorithms off and TF32 on
+  Float64Default      prepare() makes float64 the default dtype
+  PatchesClock        prepare() replaces time.perf_counter with a slower one
+
 Each is built the way a real shortcut would be, not rigged to trip a particular check.
 """
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 from torch import nn
 
-from decoders.base import DecodeResult, DecodeStats
 from core.mtp import new_mtp_cache
+from decoders.base import DecodeResult, DecodeStats, stop_index
+from decoders.serial import SerialDecoder
+from decoders.spec import InstrumentedSpecDecoder
 
 
 def serial_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
@@ -146,3 +163,172 @@ class PromptCache:
         tokens, forwards = serial_tokens(self.model, prompt_ids, max_new_tokens)
         self.cache[key] = tokens
         return DecodeResult(list(tokens), DecodeStats(forwards=forwards, extra={"cache_hit": False}))
+
+
+# --------------------------------------------------------------------------- attacks on the timing
+
+
+class WarmupCache:
+    """Exact tokens: each decode computes ``horizon`` tokens serially and caches them under the
+    prompt, so any later decode of that prompt (up to ``horizon`` tokens) is a lookup. Were the
+    warm-up decoding the timed prompt, every timed leg would be a lookup. ``calls`` logs
+    (prompt_ids, max_new_tokens, hit) per decode."""
+
+    name = "warmup-cache"
+    calls: list = []
+
+    def __init__(self, horizon: int = 64):
+        self.horizon = horizon
+        self.model = None
+        self.cache: dict[tuple, list[int]] = {}
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+    def config(self) -> dict:
+        return {"horizon": self.horizon}
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        key = tuple(prompt_ids)
+        hit = key in self.cache and max_new_tokens <= self.horizon
+        type(self).calls.append((list(prompt_ids), max_new_tokens, hit))
+        if not hit:
+            self.cache[key], _ = serial_tokens(self.model, list(prompt_ids), max(self.horizon, max_new_tokens))
+        tokens = self.cache[key]
+        return DecodeResult(tokens[:stop_index(tokens, set(self.model.eos_token_ids), max_new_tokens)],
+                            DecodeStats(forwards=0 if hit else 1, extra={"cache_hit": hit}))
+
+
+class PreparePromptCache:
+    """Not an instrument, yet computes each prompt's answer in ``prepare_prompt`` (which a harness
+    calls untimed) and answers its decodes from it. ``calls`` logs ("prepare_prompt", ids) and
+    ("decode", ids, hit)."""
+
+    name = "prepare-prompt-cache"
+    calls: list = []
+
+    def __init__(self):
+        self.model = None
+        self.cache: dict[tuple, list[int]] = {}
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+    def config(self) -> dict:
+        return {}
+
+    @torch.inference_mode()
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        type(self).calls.append(("prepare_prompt", list(prompt_ids)))
+        self.cache[(tuple(prompt_ids), max_new_tokens)], _ = serial_tokens(self.model, list(prompt_ids), max_new_tokens)
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        key = (tuple(prompt_ids), max_new_tokens)
+        hit = key in self.cache
+        type(self).calls.append(("decode", list(prompt_ids), hit))
+        tokens = self.cache[key] if hit else serial_tokens(self.model, list(prompt_ids), max_new_tokens)[0]
+        return DecodeResult(list(tokens), DecodeStats(extra={"cache_hit": hit}))
+
+
+class UnmarkedInstrument(InstrumentedSpecDecoder):
+    """spec-instrument's oracle (the control's tokens, from ``prepare_prompt``) without the
+    instrument mark, so its runs would be scored. ``calls`` logs (ids, inside_decode) per
+    ``prepare_prompt`` call."""
+
+    name = "unmarked-instrument"
+    instrument = False
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.decoding = False
+
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        type(self).calls.append((list(prompt_ids), self.decoding))
+        super().prepare_prompt(prompt_ids, max_new_tokens)
+
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        self.decoding = True
+        try:
+            return super().decode(prompt_ids, max_new_tokens)
+        finally:
+            self.decoding = False
+
+
+class Tampers:
+    """Exact serial decoding; ``tamper()`` runs at the end of prepare()."""
+
+    name = "tampers"
+
+    def __init__(self):
+        self.inner = SerialDecoder()
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        self.tamper()
+
+    def tamper(self) -> None:
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        return {}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return self.inner.decode(prompt_ids, max_new_tokens)
+
+
+class SlowsControl(Tampers):
+    name = "slows-control"
+
+    def tamper(self) -> None:
+        real, mine = SerialDecoder.decode, self.inner
+
+        def decode(decoder, prompt_ids, max_new_tokens):
+            if decoder is not mine:  # the harness's control
+                time.sleep(0.02)
+            return real(decoder, prompt_ids, max_new_tokens)
+
+        SerialDecoder.decode = decode
+
+
+class ShortensOwnLegs(Tampers):
+    name = "shortens-own-legs"
+
+    def tamper(self) -> None:
+        timing = sys.modules["harness.timing"]
+        real = timing.timed_decode
+
+        def timed_decode(decoder, prompt_ids, max_new_tokens, device, clock):
+            leg = real(decoder, prompt_ids, max_new_tokens, device, clock)
+            if decoder is self:
+                leg["wall_s"] /= 4
+                leg["t_end"] = leg["t_start"] + leg["wall_s"]
+            return leg
+
+        timing.timed_decode = timed_decode
+
+
+class Unpinned(Tampers):
+    name = "unpinned"
+
+    def tamper(self) -> None:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
+class Float64Default(Tampers):
+    name = "float64-default"
+
+    def tamper(self) -> None:
+        torch.set_default_dtype(torch.float64)
+
+
+class PatchesClock(Tampers):
+    name = "patches-clock"
+
+    def tamper(self) -> None:
+        real = time.perf_counter
+        start = real()
+        time.perf_counter = lambda: start + (real() - start) / 2

@@ -5,6 +5,8 @@ pytest puts tests/ on sys.path (rootdir conftest, no __init__.py), so these impo
 """
 from __future__ import annotations
 
+import time
+
 from decoders.base import DecodeResult, DecodeStats
 from decoders.serial import SerialDecoder
 
@@ -66,6 +68,16 @@ class Interrupted(Failing):
 
     name = "interrupted"
     error = KeyboardInterrupt
+
+
+class Sleeps(WrappedSerial):
+    """Sleeps in every decode (the warm-up included): a run that is still going when it is stopped."""
+
+    name = "sleeps"
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        time.sleep(600)
+        return super().decode(prompt_ids, max_new_tokens)
 
 
 class LacksDecode:

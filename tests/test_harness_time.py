@@ -1,22 +1,27 @@
 """``harness time`` end to end on the tiny model: a complete, well-formed stream.jsonl, written
-atomically, and the CLI's help and listing."""
+atomically, and the CLI's help, listing, warnings and edges. Every run pins ``--device cpu`` and
+``-n``, whose defaults differ on a GPU machine."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from fixtures.prompts import DEV_FILE, DEV_PROMPTS
 from core import determinism
+from core.schema import LEG_SPREAD_LIMIT, SCHEMA, abba_roles, prompt_ratio, read_stream
+from fixtures.prompts import DEV_FILE, DEV_PROMPTS
+from harness import cli
 from harness.cli import main
-from core.schema import SCHEMA, abba_roles, read_stream
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +31,7 @@ def invoke(args: list[str]):
 
 
 def time_args(out: Path, decoder: str, legs: int = 2, limit: int = 2, n: int = 8, *extra: str) -> list[str]:
-    return ["time", "--decoder", decoder, "--model", "tiny", "--limit", str(limit), "-n", str(n),
+    return ["time", "--decoder", decoder, "--model", "tiny", "--device", "cpu", "--limit", str(limit), "-n", str(n),
             "--legs", str(legs), "--out", str(out), *extra]
 
 
@@ -67,6 +72,7 @@ def check_stream(path: Path, *, decoder: str, legs: int, n: int, limit: int, tok
                                  "sha256": hashlib.sha256(DEV_FILE.read_bytes()).hexdigest()}
     assert header["max_new_tokens"] == n and header["legs"] == legs
     assert header["seed"] == 0 and header["warmup_tokens"] == 8
+    assert header["integrity_checked"] is True
     assert header["command"][0] == "harness" and isinstance(header["command"], list)
 
     # body: per prompt, a prompt record, 2L legs in ABBA order, a summary; then the end record
@@ -82,6 +88,9 @@ def check_stream(path: Path, *, decoder: str, legs: int, n: int, limit: int, tok
         assert prompt["type"] == "prompt" and prompt["id"] == want["id"]
         assert prompt["text"] == want["text"]
         assert prompt["token_ids"] == tokenizer.encode(want["text"])
+        # the warm-up prompt: as long as the prompt, not the prompt, drawn from the seed and the index
+        assert len(prompt["warmup_ids"]) == len(prompt["token_ids"]) and prompt["warmup_ids"] != prompt["token_ids"]
+        assert all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in prompt["warmup_ids"])
         assert [r["type"] for r in legs_recs] == ["leg"] * (2 * legs)
         assert [r["role"] for r in legs_recs] == abba_roles(legs)
         assert [r["order"] for r in legs_recs] == list(range(2 * legs))
@@ -104,7 +113,9 @@ def check_stream(path: Path, *, decoder: str, legs: int, n: int, limit: int, tok
         cand = [r["wall_s"] for r in legs_recs if r["role"] == "candidate"]
         assert summary["control_median_s"] == statistics.median(ctl)
         assert summary["candidate_median_s"] == statistics.median(cand)
-        assert summary["ratio"] == summary["control_median_s"] / summary["candidate_median_s"]
+        first = next(r["wall_s"] for r in legs_recs if r["role"] == "candidate" and r["leg"] == 0)
+        assert summary["candidate_first_s"] == first
+        assert summary["ratio"] == prompt_ratio(ctl, first) == summary["control_median_s"] / first
         same = all(r["tokens"] == control_tokens for r in legs_recs)
         assert summary["same_tokens_as_control"] is same
         ratios.append(summary["ratio"])
@@ -127,6 +138,10 @@ def test_stream_is_complete_and_well_formed(tmp_path, tiny_tokenizer, decoder, l
         assert all(r["tokens"] == records[2]["tokens"] for r in records if r["type"] == "leg"
                    and r["prompt_id"] == records[1]["id"])
     assert "median ratio" in result.stdout and "stream.jsonl" in result.stdout
+    # stderr is no terminal here: no progress bar (nor its lone label), one complete line per prompt
+    lines = result.stderr.splitlines()
+    assert "legs" not in lines
+    assert [ln.split(":")[0] for ln in lines if " prompts, ratio " in ln] == [p["id"] for p in DEV_PROMPTS[:2]]
 
 
 def test_abba_order():
@@ -162,7 +177,7 @@ def test_command_recorded_from_real_process(tmp_path, tiny_tokenizer):
 
 def test_default_out_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke(["time", "--decoder", "serial", "--limit", "1", "-n", "2", "--legs", "1"])
+    result = invoke(["time", "--decoder", "serial", "--device", "cpu", "--limit", "1", "-n", "2", "--legs", "1"])
     assert result.exit_code == 0, result.output
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("serial-")
@@ -235,3 +250,118 @@ def test_help_and_list():
     assert result.exit_code == 0
     for word in ("serial", "spec-naive", "[control]", "[default]", "tiny", "synthetic-9b", "dev", "random-512"):
         assert word in result.stdout, word
+
+
+# --------------------------------------------------------------------------- options, warnings and edges
+
+
+def test_time_options_name_every_option_once():
+    """``TimeOptions`` is the one list of ``harness time``'s options: every option is a field, and
+    each default is the field's."""
+    fields = {f.name: f for f in dataclasses.fields(cli.TimeOptions)}
+    params = {p.name: p for p in cli.time_cmd.params}
+    assert set(params) == set(fields)
+    parsed = cli.time_cmd.make_context("time", []).params  # the command line's defaults, as time_cmd gets them
+    assert cli.TimeOptions(**parsed) == cli.TimeOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cli.TimeOptions().legs = 3
+
+
+def test_out_naming_a_file_is_refused_before_the_model_loads(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    for out in (target, target / "run"):
+        result = invoke(time_args(out, "serial"))
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line: nothing loaded first
+        assert result.stderr.startswith("error: ") and "is a file, not a directory" in result.stderr
+        assert "Traceback" not in result.output
+    assert target.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("decoder,arg,needles", [
+    ("spec", "bogus=1", ("decoder 'spec' takes no argument 'bogus'", "max_depth=6", "shortlist=None")),
+    ("serial", "depth=2", ("decoder 'serial' takes no argument 'depth'", "its arguments: none")),
+    ("spec-instrument", "alpha=3", ("decoder 'spec-instrument' rejected --decoder-arg alpha=3",
+                                    "alpha must be within 0..1", "alpha=0.85", "max_depth=6")),
+])
+def test_decoder_arg_errors_name_the_decoder_and_its_arguments(tmp_path, decoder, arg, needles):
+    out = tmp_path / "run"
+    result = invoke([*time_args(out, decoder), "--decoder-arg", arg])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    for needle in needles:
+        assert needle in line, (needle, line)
+    assert "TypeError" not in line and "__init__()" not in line
+    assert not out.exists()
+
+
+def test_prepare_runs_before_the_prompts_load_and_report_says_unaudited(tmp_path, monkeypatch):
+    """Both decoders are prepared before the prompt set is loaded (prepare() cannot read it from the
+    harness); ``--report`` says the report shows NOT AUDITED until the audit runs."""
+    import core.prompts
+    import plugin_decoders
+    import reports.render
+
+    events = []
+    real_prepare, real_load = plugin_decoders.WrappedSerial.prepare, core.prompts.load_prompts
+    monkeypatch.setattr(plugin_decoders.WrappedSerial, "prepare",
+                        lambda self, model: (events.append("prepare"), real_prepare(self, model))[1])
+    monkeypatch.setattr(core.prompts, "load_prompts", lambda *a: (events.append("load_prompts"), real_load(*a))[1])
+    monkeypatch.setattr(reports.render, "render_run", lambda run_dir: {"report": run_dir / "report.md"})
+    out = tmp_path / "run"
+    result = invoke([*time_args(out, "plugin_decoders:WrappedSerial", 1, 1, 4), "--report"])
+    assert result.exit_code == 0, result.output
+    assert events == ["prepare", "load_prompts"]
+    assert f"report: {out / 'report.md'}" in result.stdout
+    assert f'the report shows "NOT AUDITED" until `audit replay {out / "stream.jsonl"}` runs' in result.stdout
+
+
+def leg(role: str, k: int, wall: float) -> dict:
+    return {"type": "leg", "role": role, "leg": k, "wall_s": wall, "tokens": [1, 2], "stats": {}}
+
+
+def test_unstable_legs_warning():
+    from core.prompts import Prompt
+
+    steady = [leg("control", 0, 1.0), leg("candidate", 0, 0.5), leg("candidate", 1, 0.5), leg("control", 1, 1.1)]
+    noisy = [leg("control", 0, 1.0), leg("candidate", 0, 0.5), leg("candidate", 1, 0.5 * (1 + LEG_SPREAD_LIMIT) + 0.01),
+             leg("control", 1, 1.0)]
+    summary = {"control_tokens_per_s": 2.0, "ratio": 2.0, "same_tokens_as_control": True}
+    rows = [(Prompt(f"p{i}", [1, 2, 3]), legs, summary) for i, legs in enumerate([steady, noisy, steady])]
+    table = cli.render_table(rows, 2.0, "cand")
+    assert table.splitlines()[-1] == (f"WARNING: 1 of 3 prompts have unstable legs (spread > {LEG_SPREAD_LIMIT:.0%}); "
+                                      "rerun with more --legs")
+    assert "WARNING" not in cli.render_table([rows[0]], 2.0, "cand")
+    # one leg per side has no spread to measure
+    assert "WARNING" not in cli.render_table([(rows[0][0], [leg("control", 0, 1.0), leg("candidate", 0, 9.0)],
+                                               summary)], 2.0, "cand")
+
+
+def test_busy_machine_warning():
+    warning = cli.busy_warning((3.25, 2))
+    assert warning.startswith("WARNING: this machine is busy") and "3.25" in warning and "2 CPUs" in warning
+    assert cli.busy_warning((0.5, 2)) is None and cli.busy_warning(None) is None
+
+
+def test_sigterm_mid_run_leaves_nothing(tmp_path):
+    """SIGTERM while the temporary stream is open: one error line, exit 1, no file left behind."""
+    out = tmp_path / "run"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *time_args(out, "plugin_decoders:Sleeps", 1, 1, 4)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not [p for p in leftovers(out) if p.endswith(".tmp")]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never opened its stream"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr
+    assert stderr.strip().splitlines()[-1] == "error: stopped by SIGTERM; nothing was written"
+    assert "Traceback" not in stderr
+    assert leftovers(out) == []
