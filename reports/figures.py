@@ -167,7 +167,7 @@ def plot_speedup(summary: dict, path: Path) -> bool:
                 for r in roles if r != primary]
     ax.set_xlim(0, top * 1.15)  # room for the value written after each bar
     prompt_axis(ax, summary)
-    ax.set_xlabel("speedup = control median time ÷ candidate median time  (×; above 1 is faster)")
+    ax.set_xlabel("speedup = control median time ÷ candidate's first leg  (×; above 1 is faster)")
     ax.grid(axis="x", alpha=0.3)
     control = role_label(summary, CONTROL_ROLE)
     titles(ax, f"Speedup per prompt vs {control}",

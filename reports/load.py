@@ -22,6 +22,7 @@ from core.schema import StreamFormatError, read_stream
 
 STREAM_NAME = "stream.jsonl"
 AUDIT_NAME = "audit.json"
+TOKENS_AUDIT_NAME = "audit_tokens.json"  # `audit tokens`; read by reports.tokens
 AUDIT_SCHEMA = "qwen35-exact/audit/1"
 CONTROL_ROLE = "control"
 
@@ -60,7 +61,8 @@ def load_run(run_dir) -> Run:
         raise UserError(f"{str(run_dir)!r} is not a directory (give the run directory that holds {STREAM_NAME})")
     stream_path = run_dir / STREAM_NAME
     if not stream_path.is_file():
-        raise UserError(f"no {STREAM_NAME} in {run_dir} (write one with `harness time --out {run_dir}`)")
+        raise UserError(f"no {STREAM_NAME} in {run_dir} (write one with `harness time --out {run_dir}`) "
+                        f"and no {TOKENS_AUDIT_NAME} (`audit tokens FILE --out {run_dir}/{TOKENS_AUDIT_NAME}`)")
     try:
         raw = stream_path.read_bytes()
         records, integrity = read_stream(stream_path)

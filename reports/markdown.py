@@ -35,7 +35,7 @@ def report_text(summary: dict, figures: dict) -> str:
              speedup_section(summary, figures), ms_per_token_section(summary, figures),
              acceptance_section(summary, figures), depth_section(summary, figures),
              memory_section(summary, figures), time_split_section(summary, figures),
-             audit_section(summary), provenance_section(summary)]
+             audit_section(summary), provenance_section(summary), appendix_section(summary)]
     return "\n\n".join(p.rstrip() for p in parts if p) + "\n"
 
 
@@ -77,6 +77,17 @@ def config_text(config: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.items()) if config else "no settings"
 
 
+BRIEF_SETTINGS = 4  # settings a table cell shows; the appendix has every one
+
+
+def config_brief(config: dict) -> str:
+    """A decoder's configuration in a table cell: its first few plain settings (nested tables such as
+    a calibration or measured costs, and unset values, are left to the appendix)."""
+    plain = [(k, v) for k, v in config.items() if v is not None and not isinstance(v, (dict, list))]
+    text = ", ".join(f"{k}={v}" for k, v in plain[:BRIEF_SETTINGS]) or "no settings"
+    return text + ("; the full configuration is in the appendix" if len(config) > min(len(plain), BRIEF_SETTINGS) else "")
+
+
 def figure(figures: dict, stem: str) -> str:
     return f"![{FIGURE_TITLES[stem]}]({figures[stem]})"
 
@@ -106,14 +117,14 @@ def summary_table(summary: dict) -> str:
     if model.get("weights_fingerprint"):
         model_bits.append(f"weights {model['weights_fingerprint'][:12]}…")
     device = summary["device"]
-    decoders = " · ".join(f"{d['role']}: **{d['name']}** ({config_text(d['config'])})" for d in summary["decoders"])
+    decoders = " · ".join(f"{d['role']}: **{d['name']}** ({config_brief(d['config'])})" for d in summary["decoders"])
     med = []
     for role in others(summary):
         text = f"**{ratio(summary['median_ratio'][role])}**"
         if len(summary["roles"]) > 2:
             text += f" {name_of(summary, role)}"
         med.append(text)
-    med_text = ", ".join(med) + " control time ÷ candidate time, recomputed from the raw legs"
+    med_text = ", ".join(med) + " control median ÷ candidate's first leg, recomputed from the raw legs"
     extra = [f"harness's own: {ratio(summary['harness_median_ratio'])}"]
     if audited:
         extra.append(f"audit's: {ratio(audit.get('median_ratio'))}")
@@ -179,7 +190,8 @@ def speedup_section(summary: dict, figures: dict) -> str:
                     + [ratio(p["ratio"].get(r)) for r in roles]
                     + [ratio(p["harness_ratio"]), ratio(p["audit_ratio"]), verdict])
     return ("## Speedup per prompt\n\n" + figure(figures, "speedup") + "\n\n"
-            "Medians over each prompt's timed legs; ratio = control median ÷ candidate median. "
+            "Medians over each prompt's timed legs; ratio = control median ÷ the candidate's first timed leg "
+            "(its first encounter with the prompt). "
             "The harness and audit columns are their own numbers, shown for comparison.\n\n"
             + table(head, rows))
 
@@ -332,3 +344,12 @@ def provenance_section(summary: dict) -> str:
         ["Model identity", f"`{json.dumps(summary['model'], sort_keys=True)}`"],
     ]
     return "## Provenance\n\n" + table(["", ""], rows) + "\n\nRendered by `reports render`."
+
+
+def appendix_section(summary: dict) -> str:
+    """Every decoder's full configuration, as the stream's header records it."""
+    parts = ["## Appendix: decoder configurations"]
+    for d in summary["decoders"]:
+        parts += [f"### {d['role']}: {d['name']}",
+                  "```json\n" + json.dumps(d["config"], indent=2, sort_keys=True) + "\n```"]
+    return "\n\n".join(parts)

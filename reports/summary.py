@@ -4,7 +4,8 @@
 are built from, so what the report says can be checked against ``stream.jsonl`` / ``audit.json``.
 
 Speed comes from the raw legs only: per prompt and role, the median of the legs' ``wall_s``; the
-ratio of a role is control median / role median (above 1 = faster than the control); the run's
+ratio of a role is ``core.schema.prompt_ratio``, the control's median over the role's first timed
+leg (above 1 = faster than the control), as the harness and the audit compute it; the run's
 median ratio is the median of the per-prompt ratios. The harness's own summary and end records
 are shown beside these, never instead of them. Score, verdict and exactness come from audit.json
 only, and only when it names this stream's sha256; otherwise the run counts as not audited.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+from core.schema import prompt_ratio
 from reports.load import CONTROL_ROLE, Run
 
 PRIMARY_ROLE = "candidate"  # the role the harness header and the audit describe
@@ -86,7 +88,8 @@ def prompt_row(run: Run, prompt: dict, audit_row: dict | None) -> dict:
         "leg_wall_s": {r: [leg["wall_s"] for leg in v] for r, v in legs.items()},
         "leg_ms_per_token": leg_ms,
         "ms_per_token": {r: _median(v) for r, v in leg_ms.items()},
-        "ratio": {r: median_s[CONTROL_ROLE] / median_s[r] for r in legs if r != CONTROL_ROLE},
+        "ratio": {r: prompt_ratio([leg["wall_s"] for leg in legs[CONTROL_ROLE]], first_leg_wall(v))
+                  for r, v in legs.items() if r != CONTROL_ROLE},
         "harness_ratio": harness["ratio"] if harness else None,
         "harness_same_tokens": harness.get("same_tokens_as_control") if harness else None,
         # peak over the legs: the figure is a capacity question, so the worst leg counts
@@ -103,6 +106,11 @@ def prompt_row(run: Run, prompt: dict, audit_row: dict | None) -> dict:
         "audit_ratio": audit_row.get("ratio") if audit_row else None,
         "warm_leg_flag": bool(audit_row.get("warm_leg_flag")) if audit_row else False,
     }
+
+
+def first_leg_wall(legs: list[dict]) -> float | None:
+    """The wall time of a role's first timed leg (``leg == 0``), its first encounter with the prompt."""
+    return next((leg["wall_s"] for leg in legs if leg["leg"] == 0), None)
 
 
 def prompt_verdict(audit_row: dict | None) -> str:

@@ -302,3 +302,36 @@ def test_running_past_eos_is_caught(small, tmp_path):
     d = gens["runs-on"]["first_divergence"]
     assert d["class"] == "stop" and d["position"] == 1 and d["stop"] == "ran past an EOS"
     assert doc["counts"]["stop"] == 1 and doc["verdict"] == "real divergences"
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_reports_render_shows_a_tokens_audit(tiny_prompts, tmp_path):
+    from reports.cli import main as reports_main
+
+    prompts, _, walks = tiny_prompts
+    recs = []
+    for k, pid in enumerate(prompts):
+        tokens = [w["token"] for w in walks[pid]]
+        recs.append({"id": pid, "prompt_token_ids": prompts[pid],
+                     "output_token_ids": flipped(tokens, walks[pid], 3) if k else tokens})
+    path = write_jsonl(tmp_path / "gens.jsonl", recs)
+    result, doc = audit_tokens(path, "tiny", out=None)
+    assert result.exit_code == 1
+    res = CliRunner().invoke(reports_main, ["render", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# Token audit: gens.jsonl · tiny") and "## Token audit" in report
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in report.splitlines() if ln.startswith("| `")}
+    gens = {g["id"]: g for g in doc["generations"]}
+    assert set(rows) == {f"`{pid}`" for pid in prompts}
+    for pid in prompts:
+        row, g = rows[f"`{pid}`"], gens[pid]
+        assert row[1] == ("yes" if g["exact"] else "**NO**")
+        assert row[6] == (g["first_divergence"]["class"] if g["first_divergence"] else "—")
+    assert f"| Verdict | **{doc['verdict'].upper()}** |" in report
+    png = tmp_path / "figures" / "token_margins.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](figures/token_margins.png)" in report

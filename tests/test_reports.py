@@ -41,8 +41,9 @@ def tiny_harness_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny-run")
     # spec-naive: a fixed depth of 3, so every round drafts and the acceptance figure has data
-    res = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec-naive", "--limit", "3", "-n", "16",
-                                            "--legs", "2", "--warmup-tokens", "0", "--out", str(out), "--report"])
+    res = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec-naive", "--device", "cpu",
+                                            "--limit", "3", "-n", "16", "--legs", "2", "--warmup-tokens", "0",
+                                            "--out", str(out), "--report"])
     assert res.exit_code == 0, res.output
     return out, res.output
 
@@ -86,6 +87,17 @@ def summary_rows(report: str) -> dict[str, str]:
 
 def first_number(text: str) -> float:
     return float(re.search(r"-?\d+(?:\.\d+)?", text).group())
+
+
+def raw_ratios(records: list[dict]) -> dict[str, float]:
+    """Independent recomputation: per prompt, the control's median wall_s over the candidate's leg 0."""
+    control, first = {}, {}
+    for rec in records:
+        if rec["type"] == "leg" and rec["role"] == "control":
+            control.setdefault(rec["prompt_id"], []).append(rec["wall_s"])
+        elif rec["type"] == "leg" and rec["role"] == "candidate" and rec["leg"] == 0:
+            first[rec["prompt_id"]] = rec["wall_s"]
+    return {pid: statistics.median(walls) / first[pid] for pid, walls in control.items()}
 
 
 def raw_medians(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -272,7 +284,7 @@ def test_tiny_summary_numbers_equal_stream(tiny_run):
     records = read_records(tiny_run)
     header, end = records[0], records[-1]
     meds = raw_medians(records)
-    ratios = {pid: m["control"] / m["candidate"] for pid, m in meds.items()}
+    ratios = raw_ratios(records)
     median_ratio = statistics.median(ratios.values())
     summary = render_run(tiny_run)
 
@@ -378,9 +390,8 @@ def test_edited_stream_is_flagged_and_raw_legs_win(tiny_run):
     (tiny_run / "stream.jsonl").write_text("\n".join(lines) + "\n")
     summary = render_run(tiny_run)
     assert [b["kind"] for b in summary["banners"]] == ["not-audited", "stream-modified", "harness-disagrees"]
-    meds = raw_medians(read_records(tiny_run))
     p = summary["prompts"][0]
-    assert p["ratio"]["candidate"] == pytest.approx(meds[p["id"]]["control"] / meds[p["id"]]["candidate"])
+    assert p["ratio"]["candidate"] == pytest.approx(raw_ratios(read_records(tiny_run))[p["id"]])
     assert p["ratio"]["candidate"] != pytest.approx(p["harness_ratio"])
     assert "STREAM MODIFIED AFTER WRITING" in (tiny_run / "report.md").read_text()
 
@@ -406,6 +417,70 @@ def test_harness_report_failure_keeps_the_stream(tiny_run, monkeypatch):
     assert sorted(p.name for p in tiny_run.iterdir()) == ["stream.jsonl"]
 
 
+def run_audit_cli(run_dir: Path):
+    from audit.cli import main as audit_main
+
+    return CliRunner().invoke(audit_main, ["replay", str(run_dir / "stream.jsonl"), "--device", "cpu"])
+
+
+def test_audit_refreshes_an_existing_report(tiny_run):
+    """`audit replay` re-renders a report.md already beside the stream, so it shows the verdict."""
+    render_run(tiny_run)
+    assert "NOT AUDITED" in (tiny_run / "report.md").read_text()
+    res = run_audit_cli(tiny_run)
+    assert res.exit_code in (0, 1), res.output
+    assert f"refreshed {tiny_run / 'report.md'}" in res.output
+    audit = json.loads((tiny_run / "audit.json").read_text())
+    report = (tiny_run / "report.md").read_text()
+    rows = summary_rows(report)
+    assert "NOT AUDITED" not in report
+    assert f"audit verdict: **{audit['verdict'].upper()}**" in rows["Score"]
+    assert not list(tiny_run.glob(".report-*"))
+
+
+def test_audit_report_refresh_failure_is_a_warning(tiny_run):
+    render_run(tiny_run)
+    before = (tiny_run / "report.md").read_bytes()
+    (tiny_run / "audit_tokens.json").write_text("{not json")  # the render now fails on bad input
+    res = run_audit_cli(tiny_run)
+    assert res.exit_code in (0, 1), res.output  # the audit's own verdict, not a failure of its own
+    warnings = [ln for ln in res.output.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "not refreshed" in warnings[0] and "audit_tokens.json" in warnings[0]
+    assert (tiny_run / "audit.json").is_file() and (tiny_run / "report.md").read_bytes() == before
+
+
+def test_audit_without_a_report_writes_none(tiny_run):
+    res = run_audit_cli(tiny_run)
+    assert res.exit_code in (0, 1) and "refreshed" not in res.output
+    assert sorted(p.name for p in tiny_run.iterdir()) == ["audit.json", "stream.jsonl"]
+
+
+def test_decoders_row_is_brief_and_the_appendix_has_every_setting(tmp_path):
+    """A calibration and measured costs in a decoder's config stay out of the summary table."""
+    run_dir = write_synthetic_run(tmp_path / "run", audit=False)
+    records = read_records(run_dir)
+    config = {"calibration": {"gemm": {f"{k}x256": 8 for k in range(64, 2112, 64)}, "max_rows": 8, "device": "cuda"},
+              "costs_s": {"draft": 0.00094, "verify": {str(k): 0.005 + k / 1000 for k in range(1, 8)}},
+              "depth": None, "explore_every": 64, "graphs": True, "max_depth": 6, "shortlist": "draft_shortlist.json"}
+    records[0]["candidate"]["config"] = config
+    with AtomicJsonlWriter(run_dir / "stream.jsonl") as w:
+        for rec in records[:-1]:
+            w.write(rec)
+        w.write_end(median_ratio=records[-1]["median_ratio"])
+        w.commit()
+    render_run(run_dir)
+    report = (run_dir / "report.md").read_text()
+    decoders = summary_rows(report)["Decoders"]
+    assert len(json.dumps(config)) > 700 and len(decoders) < 250, decoders
+    assert "**spec-adaptive** (explore_every=64, graphs=True, max_depth=6, shortlist=draft_shortlist.json; " \
+           "the full configuration is in the appendix)" in decoders
+    assert "calibration" not in decoders and "**serial** (cache=DynamicCache)" in decoders
+    appendix = report.split("## Appendix: decoder configurations\n", 1)[1]
+    blocks = re.findall(r"### (\w+): (\S+)\n\n```json\n(.*?)\n```", appendix, re.S)
+    assert [(role, name) for role, name, _ in blocks] == [("control", "serial"), ("candidate", "spec-adaptive")]
+    assert json.loads(blocks[0][2]) == {"cache": "DynamicCache"} and json.loads(blocks[1][2]) == config
+
+
 # --------------------------------------------------------------------------- the synthetic run
 
 
@@ -428,7 +503,7 @@ def test_synthetic_run_draws_every_figure(tmp_path):
     assert rows["Exact"].startswith("**NO**: 1 of 5 prompts")
     assert rows["Score"].startswith("**0.000**") and "FAIL" in rows["Score"]
     meds = raw_medians(records)
-    median_ratio = statistics.median(m["control"] / m["candidate"] for m in meds.values())
+    median_ratio = statistics.median(raw_ratios(records).values())
     assert first_number(rows["Median ratio"]) == pytest.approx(median_ratio, abs=5e-4)
     assert summary["median_ratio"]["candidate"] == pytest.approx(median_ratio, rel=1e-12)
 
