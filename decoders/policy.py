@@ -1,11 +1,19 @@
 """Adaptive draft depth: pick each round's depth d to maximise expected tokens per unit time.
 
-Pure policy, no tensors: it sees measured costs and acceptance outcomes, nothing else, so it can
-change without touching the runtime (and is tested on its own, tests/test_policy.py).
+Pure policy, no tensors: it sees costs, measured round times and acceptance outcomes, nothing
+else, so it can change without touching the runtime (and is tested on its own, tests/test_policy.py).
 
   E(d) = 1 + sum_{i=1..d} prod_{k=1..i} a_k      expected tokens from a round of depth d
   T(0) = c_step                                    a plain exact step
   T(d) = d * c_draft + c_verify[d + 1]             d chained head steps + a window of d + 1 rows
+
+T(d) as written is the start-up measurement (``Costs``), op by op. A real round costs more: its
+catch-up rows, the host's work between ops, the rollback. So ``RoundTimes`` learns each depth's
+whole round time from the decode itself (host clock, sync point to sync point) and the policy
+trades on that, with T(d) as its prior: worth ``prior_rounds`` rounds, then a running mean that
+turns into an exponential moving average over ``horizon`` rounds. A depth not yet timed takes its
+prior scaled by the nearest timed drafting depth's measured/prior ratio. Depth 0 is timed too, so
+where drafting costs more than it yields the plain step wins on measured times.
 
 a_k estimates P(draft k accepted | drafts 1..k-1 accepted) from observed drafts only (those after
 the first rejection are never seen): hits and trials per depth, decayed by ``forget`` per round so
@@ -41,6 +49,46 @@ class Costs:
 
 
 @dataclass
+class RoundTimes:
+    """Seconds per round at each depth 0..max_depth, learned online with ``costs`` as the prior."""
+
+    costs: Costs
+    max_depth: int
+    prior_rounds: float = 3.0  # how many measured rounds the start-up cost is worth
+    horizon: float = 16.0  # rounds the moving average spans once past the prior
+    estimate: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # measured rounds per depth
+
+    def __post_init__(self):
+        if self.prior_rounds < 0 or self.horizon < 1:
+            raise ValueError("prior_rounds must be >= 0 and horizon >= 1")
+        if not self.estimate:
+            self.estimate = [self.costs.round_time(d) for d in range(self.max_depth + 1)]
+            self.rounds = [0] * (self.max_depth + 1)
+
+    def observe(self, depth: int, seconds: float) -> None:
+        """One measured round of ``depth``: the estimate moves 1/(rounds + prior_rounds) of the
+        way to it (1/horizon at most), so the prior fades like an average's first terms."""
+        if not 0 <= depth <= self.max_depth or not seconds > 0:
+            raise ValueError(f"observe({depth}, {seconds}) out of range")
+        self.rounds[depth] += 1
+        rate = 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
+        self.estimate[depth] += rate * (seconds - self.estimate[depth])
+
+    def times(self) -> list[float]:
+        """The estimate per depth; an untimed drafting depth takes the nearest timed drafting
+        depth's ratio to its prior (the deeper one on a tie), an untimed depth 0 its prior."""
+        out = list(self.estimate)
+        timed = [d for d in range(1, self.max_depth + 1) if self.rounds[d]]
+        if timed:
+            for d in range(1, self.max_depth + 1):
+                if not self.rounds[d]:
+                    near = min(timed, key=lambda t: (abs(t - d), -t))
+                    out[d] = self.costs.round_time(d) * self.estimate[near] / self.costs.round_time(near)
+        return out
+
+
+@dataclass
 class DepthPolicy:
     costs: Costs
     max_depth: int
@@ -53,6 +101,8 @@ class DepthPolicy:
     explore_every: int = 64  # the longest run of depth-0 rounds between probes
     explore_first: int = 8  # the first such run (it doubles after each probe)
     fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
+    online: bool = True  # trade on measured round times (``observe``); False: on ``costs`` alone
+    times: RoundTimes | None = None
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     zero_run: int = 0
@@ -72,6 +122,8 @@ class DepthPolicy:
         if not self.hits:
             self.hits = [0.0] * self.max_depth
             self.trials = [0.0] * self.max_depth
+        if self.times is None:
+            self.times = RoundTimes(self.costs, self.max_depth)
 
     @property
     def accept(self) -> list[float]:
@@ -90,11 +142,22 @@ class DepthPolicy:
             total += run
         return total
 
+    def round_times(self) -> list[float]:
+        """Seconds per round at each depth, as the policy currently prices them."""
+        if self.online:
+            return self.times.times()
+        return [self.costs.round_time(d) for d in range(self.max_depth + 1)]
+
     def best_depth(self) -> int:
-        # only update() changes the answer; caching it keeps a depth-0 round's host work (which the
-        # GPU waits for) to a few attribute reads
+        # only update() and observe() change the answer; caching it keeps a round's host work (which
+        # the GPU waits for) to a few attribute reads in between
         if self._best is None:
-            rates = [(self.expected_tokens(d) / self.costs.round_time(d), -d) for d in range(self.max_depth + 1)]
+            times, total, run, accept = self.round_times(), 1.0, 1.0, self.accept
+            rates = [(1.0 / times[0], 0)]
+            for d in range(1, self.max_depth + 1):
+                run *= accept[d - 1]
+                total += run  # = expected_tokens(d)
+                rates.append((total / times[d], -d))
             self._best = -max(rates)[1]
         return self._best
 
@@ -125,5 +188,12 @@ class DepthPolicy:
             self.trials[k] += 1.0
             self.hits[k] += 1.0 if k < accepted else 0.0
 
+    def observe(self, depth: int, seconds: float) -> None:
+        """A round of ``depth`` took ``seconds`` of wall time (sync point to sync point)."""
+        if self.online and self.fixed is None:
+            self.times.observe(depth, seconds)
+            self._best = None
+
     def state(self) -> dict:
-        return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth()}
+        return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth(),
+                "round_ms": [round(t * 1e3, 4) for t in self.round_times()], "timed_rounds": list(self.times.rounds)}

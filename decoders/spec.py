@@ -16,6 +16,12 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   head           a directory written by `heads train` (mtp.safetensors, draft_shortlist.json):
                  draft with that head, and its shortlist unless ``shortlist`` is given; the
                  backbone and the model's own head are untouched
+  online_costs   price depths by round times measured during the decode (policy.RoundTimes),
+                 the start-up costs as their prior; false: by the start-up costs alone. Default true
+
+Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
+makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
+catch-up covers every row since the last draft, a cost of resuming drafting, not of a round.
 """
 from __future__ import annotations
 
@@ -93,7 +99,8 @@ class SpecDecoder:
     name = "spec"
 
     def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
-                 explore_every: int = 64, capacity: int = 4096, head: str | None = None):
+                 explore_every: int = 64, capacity: int = 4096, head: str | None = None,
+                 online_costs: bool = True):
         self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
@@ -105,6 +112,9 @@ class SpecDecoder:
         if self.explore_every < 1:
             raise ValueError("explore_every must be >= 1")
         self.capacity = int(capacity)
+        if not isinstance(online_costs, bool):
+            raise ValueError("online_costs must be true or false")
+        self.online_costs = online_costs
         self.model = self.runtime = self.drafter = self.costs = None
         self.cost_reps: dict | None = None  # every timed rep of measure_costs, in seconds
 
@@ -176,7 +186,7 @@ class SpecDecoder:
                "shortlist": self.shortlist_source(),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
-               "explore_every": self.explore_every}
+               "explore_every": self.explore_every, "online_costs": self.online_costs}
         if self.runtime is not None:
             cfg["graphs"] = self.runtime.use_graphs
             cfg["calibration"] = self.runtime.cal.to_json()
@@ -189,7 +199,8 @@ class SpecDecoder:
         return cfg
 
     def new_policy(self) -> DepthPolicy:
-        return DepthPolicy(self.costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed)
+        return DepthPolicy(self.costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
+                           online=self.online_costs)
 
     # ------------------------------------------------------------------ decoding
 
@@ -209,6 +220,7 @@ class SpecDecoder:
             pending = self._prefill(prompt_ids)
             tokens = [int(pending.y.item())]
         stats.forwards += 1
+        last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
             stats.extra["depth_trace"].append(depth)
@@ -218,6 +230,10 @@ class SpecDecoder:
                 new = self._spec_round(pending, depth, len(tokens), timer)
                 policy.update(depth, len(new) - 1)
                 stats.record_round(depth, len(new) - 1)
+            now = time.perf_counter()  # the round's tokens were just read: a sync point
+            if depth == 0 or drafting:
+                policy.observe(depth, now - last)
+            last, drafting = now, depth > 0
             stats.forwards += 1
             tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
         stats.extra["time_split"] = timer.result()

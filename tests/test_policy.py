@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from decoders.policy import Costs, DepthPolicy
+from decoders.policy import Costs, DepthPolicy, RoundTimes
 
 # Shaped like the H200 measurements in bench/NOTES.md: step 9.8 ms, window w costs ~1 + 0.1*(w-1)
 # steps, a head step ~0.5 ms.
@@ -137,3 +137,86 @@ def test_explore_settings_must_be_positive():
         DepthPolicy(GPU, max_depth=6, explore_every=0)
     with pytest.raises(ValueError):
         DepthPolicy(GPU, max_depth=6, explore_first=0)
+
+
+# --------------------------------------------------------------------------- measured round times
+
+def drive_timed(policy, alpha, rounds, real_time, seed=0):
+    """As ``drive``, and each round reports its wall time ``real_time(depth)`` to the policy."""
+    rng = random.Random(seed)
+    depths = []
+    for _ in range(rounds):
+        d = policy.choose()
+        depths.append(d)
+        j = 0
+        while j < d and rng.random() < alpha:
+            j += 1
+        if d:
+            policy.update(d, j)
+        policy.observe(d, real_time(d))
+    return depths
+
+
+def test_round_time_estimate_moves_toward_measured_times():
+    times = RoundTimes(GPU, max_depth=6)
+    prior = [GPU.round_time(d) for d in range(7)]
+    assert times.times() == prior
+    seen = []
+    for _ in range(40):
+        times.observe(2, 2.0 * prior[2])
+        seen.append(times.times()[2])
+    assert all(a < b for a, b in zip(seen, seen[1:])) and prior[2] < seen[0] < 2 * prior[2]
+    assert seen[0] < 1.3 * prior[2]  # one round moves it only part of the way: the prior is worth rounds
+    assert seen[-1] == pytest.approx(2 * prior[2], rel=0.02)
+    now = times.times()
+    assert now[0] == prior[0]  # the plain step keeps its own prior until it is timed
+    assert now[5] == pytest.approx(prior[5] * now[2] / prior[2])  # untimed depths follow the timed one
+    for _ in range(200):  # past the prior: an exponential moving average that follows a change
+        times.observe(2, 0.5 * prior[2])
+    assert times.times()[2] == pytest.approx(0.5 * prior[2], rel=0.01)
+    with pytest.raises(ValueError):
+        times.observe(7, 1.0)
+    with pytest.raises(ValueError):
+        times.observe(1, 0.0)
+
+
+# Start-up costs that promise cheap drafting (GPU above), against real rounds shaped like `small`
+# on the H200 (bench/NOTES.md): a round's drafting costs ~0.8 ms where 2 head steps measured 0.56,
+# plus ~0.25 ms of host work outside draft/verify/rollback; here on a 1 ms step.
+STARTUP = Costs(step=1.0e-3, draft=0.28e-3, verify={w: 1.0e-3 * (1 + 0.1 * (w - 1)) for w in range(1, 10)})
+
+
+def small_h200_round(d: int) -> float:
+    return STARTUP.step + 0.05e-3 if d == 0 else STARTUP.verify[d + 1] + d * 0.4e-3 + 0.25e-3
+
+
+def test_drafting_that_costs_more_than_it_yields_converges_to_plain_steps():
+    alpha = 0.55
+    # on the start-up costs alone drafting looks worth it, so the offline policy keeps drafting
+    offline = DepthPolicy(STARTUP, max_depth=6, prior=0.5, online=False)
+    assert sum(d > 0 for d in drive_timed(offline, alpha, 600, small_h200_round)[300:]) > 250
+    # yet at the real round times every depth yields fewer tokens per second than a plain step
+    truth = DepthPolicy(STARTUP, max_depth=6, prior=alpha, strength=1e9)
+    real_rate = [truth.expected_tokens(d) / small_h200_round(d) for d in range(7)]
+    assert max(range(7), key=real_rate.__getitem__) == 0
+    p = DepthPolicy(STARTUP, max_depth=6, prior=0.5)
+    depths = drive_timed(p, alpha, 600, small_h200_round)
+    tail = depths[300:]
+    assert p.best_depth() == 0 and sum(d > 0 for d in tail) <= len(tail) / 32 + 2
+    assert p.times.rounds[0] > 250 and p.times.times()[1] > STARTUP.round_time(1) * 1.2
+
+
+def test_cheap_accurate_drafting_keeps_drafting():
+    def real(d):  # every round 30% dearer than measured at start-up, the plain step as well
+        return 1.3 * STARTUP.round_time(d)
+
+    p = DepthPolicy(STARTUP, max_depth=6)
+    depths = drive_timed(p, 0.9, 400, real)
+    tail = depths[100:]
+    assert sum(d > 0 for d in tail) > 0.95 * len(tail) and sum(tail) / len(tail) > 3 and p.best_depth() > 0
+
+
+def test_fixed_depth_ignores_round_times():
+    p = DepthPolicy(STARTUP, max_depth=6, fixed=2)
+    drive_timed(p, 0.0, 50, lambda d: 1.0)
+    assert p.times.rounds == [0] * 7 and {p.choose() for _ in range(5)} == {2}

@@ -65,10 +65,11 @@ def test_instrument_exact_at_fixed_depths(tiny, serial, prompts, depth):
 def test_instrument_adaptive_every_accept_length(tiny, serial, prompts):
     from decoders.policy import Costs
 
-    dec = InstrumentedSpecDecoder(alpha=0.7, max_depth=6, seed=3)
+    dec = InstrumentedSpecDecoder(alpha=0.7, max_depth=6, seed=3, online_costs=False)
     dec.prepare(tiny)
     # CPU windows are slow (eager), so measured costs keep the policy shallow; give it costs shaped
-    # like the H200's (bench/NOTES.md) so that it goes deep and every rollback row is exercised
+    # like the H200's (bench/NOTES.md), and no online timing, so that it goes deep and every
+    # rollback row is exercised
     dec.costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
     seen = set()
     for seed in range(4):
@@ -155,3 +156,19 @@ def test_measured_costs_keep_every_rep(tiny):
     assert dec.costs.step == min(reps["step"]) and dec.costs.verify[3] == min(reps["verify"][3])
     assert cfg["cost_reps_s"]["verify"]["2"] == reps["verify"][2] and cfg["costs_s"]["draft"] == min(reps["draft"])
     assert not dec.runtime.prefilled  # measuring left nothing a decode could continue from
+
+
+def test_rounds_are_timed_online_unless_switched_off(tiny, prompts):
+    for online in (True, False):
+        dec = SpecDecoder(max_depth=3, online_costs=online)
+        dec.prepare(tiny)
+        stats = dec.decode(prompts[0], 30).stats.to_json()
+        timed, trace = stats["policy"]["timed_rounds"], stats["depth_trace"]
+        assert len(stats["policy"]["round_ms"]) == 4 and dec.config()["online_costs"] is online
+        if online:  # every plain step, and every drafting round that follows another, is timed
+            assert sum(timed) == sum(1 for i, d in enumerate(trace) if d == 0 or i == 0 or trace[i - 1] > 0)
+            assert timed[0] == trace.count(0)
+        else:
+            assert sum(timed) == 0
+    with pytest.raises(ValueError):
+        SpecDecoder(online_costs="yes")
