@@ -13,7 +13,9 @@ arguments, control, N) and measures again:
             stream file's sha256, which the file cannot know before it is written.
   processes the candidate and the control each in a process of its own (``python -m
             harness.worker``), both started cold; the audit launches them by module name and
-            imports no decoder or timing code itself.
+            imports no decoder or timing code itself. While one side is timed the other is
+            stopped (SIGSTOP to its process group), so neither can load the machine against the
+            other.
   clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
@@ -21,7 +23,11 @@ arguments, control, N) and measures again:
   tokens    every retimed leg is replayed through the audit's pristine serial path.
 
 Finding ``ratio-not-reproduced`` (fail) when the retimed median ratio falls short of the
-recorded one by more than max(the noise the retime measured, MIN_TOLERANCE). Writes retime.json
+recorded one by more than max(the noise, MIN_TOLERANCE). The noise is the control's leg spread
+(median over prompts), the larger of the retime's and the stream's, the stream's counted up to
+STREAM_NOISE_CAP; a spread s lets a ratio move by a factor 1 + s, a shortfall of s / (1 + s).
+Only the control's legs measure noise: the candidate's later legs never enter its ratio, so a
+candidate could make them as uneven as it likes. Writes retime.json
 beside the stream (or ``--out``), prints a table, exits 0 / 1 / 2 like ``audit replay``.
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +60,10 @@ SCHEMA = "qwen35-exact/retime/1"
 # a retimed median this far below the recorded one is beyond doubt even on a quiet machine; a
 # noisier retime (legs further apart) widens the margin to its own noise
 MIN_TOLERANCE = 0.25
+# a stream's own control spread is the file's word, editable like the rest of it: it widens the
+# margin at most to a 50% shortfall (spread 100%), so a forger cannot hide a 4x claim behind
+# noise it wrote, and a 2x claim only behind legs the audit already flags as unstable
+STREAM_NOISE_CAP = 1.0
 # fresh corpus snippets cut past the set's own, to find enough long enough for every length
 SNIPPET_WINDOW = 256
 WORKER_MODULE = "harness.worker"
@@ -163,9 +174,22 @@ class Worker:
 
     def __init__(self, role: str, command: list[str]):
         self.role = role
+        # a session of its own, so that stopping its process group reaches whatever it spawned
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env=dict(os.environ))
+                                     env=dict(os.environ), start_new_session=True)
         self.ready = None
+
+    def signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # already gone: its next read says so
+            pass
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -197,6 +221,7 @@ class Worker:
         return tokens
 
     def close(self) -> None:
+        self.resume()
         try:
             self.proc.stdin.close()
         except OSError:
@@ -208,12 +233,19 @@ class Worker:
             self.proc.wait()
 
 
-def timed_request(worker: Worker, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int]]:
-    """(t_start, t_end, tokens): the audit's clock around one request and its answer."""
-    t0 = time.perf_counter()
-    worker.send(prompt_ids, max_new_tokens)
-    tokens = worker.tokens()
-    return t0, time.perf_counter(), tokens
+def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int]]:
+    """(t_start, t_end, tokens): the audit's clock around one request to ``role`` and its answer,
+    the other side stopped meanwhile."""
+    other = workers[checks.other_role(role)]
+    other.pause()
+    try:
+        t0 = time.perf_counter()
+        workers[role].send(prompt_ids, max_new_tokens)
+        tokens = workers[role].tokens()
+        t1 = time.perf_counter()
+    finally:
+        other.resume()
+    return t0, t1, tokens
 
 
 def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
@@ -224,12 +256,11 @@ def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_t
     for n, fp in enumerate(prompts, start=1):
         for role in ROLES:
             if warmup_tokens:
-                workers[role].send(fp.warmup_ids, warmup_tokens)
-                workers[role].tokens()
+                request(workers, role, fp.warmup_ids, warmup_tokens)
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(legs)):
-            t0, t1, tokens = timed_request(workers[role], fp.token_ids, max_new_tokens)
+            t0, t1, tokens = request(workers, role, fp.token_ids, max_new_tokens)
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
                            "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens})
             seen[role] += 1
@@ -264,11 +295,15 @@ def start_workers(header: dict, model_spec: str, device: str) -> dict[str, Worke
 # --------------------------------------------------------------------------- judging
 
 
-def noise_of(prompts: list[PromptRun]) -> float:
-    """The retime's own noise: the median over prompts of the wider of the two sides' leg spread
-    (0 where a side has one leg)."""
-    widest = [max((s for s in checks.prompt_spreads(p).values() if s is not None), default=0.0) for p in prompts]
-    return statistics.median(widest) if widest else 0.0
+def control_noise(prompts: list[PromptRun]) -> float:
+    """The median over prompts of the control's leg spread (0 where it has one leg)."""
+    spreads = [checks.prompt_spreads(p)["control"] or 0.0 for p in prompts]
+    return statistics.median(spreads) if spreads else 0.0
+
+
+def noise_of(stream: list[PromptRun], retimed: list[PromptRun]) -> dict:
+    ours, theirs = control_noise(retimed), control_noise(stream)
+    return {"retime": ours, "stream": theirs, "used": max(ours, min(theirs, STREAM_NOISE_CAP))}
 
 
 def tolerance(noise: float) -> float:
@@ -284,7 +319,7 @@ def check_reproduced(recorded: float | None, retimed: float | None, noise: float
         return []
     return [checks.finding("ratio-not-reproduced", "fail", None,
                            f"retimed median ratio {retimed:.3f} is {1 - retimed / recorded:.0%} below the recorded "
-                           f"{recorded:.3f} (allowed {tol:.0%}: max(noise {noise:.0%} as a shortfall, "
+                           f"{recorded:.3f} (allowed {tol:.0%}: max(control noise {noise:.0%} as a shortfall, "
                            f"{MIN_TOLERANCE:.0%})): the stream's speed is not the candidate's",
                            recorded=recorded, retimed=retimed, noise=noise, tolerance=tol)]
 
@@ -295,7 +330,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
     per_recorded, recorded_median = recorded
     ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
     retimed_median = checks.median_ratio(list(ratios.values()))
-    noise = noise_of(timed)
+    noise = noise_of(run.prompts, timed)
     failed = any(f["severity"] == "fail" for f in findings)
     return {
         "schema": SCHEMA,
@@ -312,8 +347,9 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "verdict": "fail" if failed else "pass",
         "recorded_median_ratio": recorded_median,
         "retimed_median_ratio": retimed_median,
+        # the control's leg spread, median over prompts: the retime's, the stream's, the one used
         "noise": noise,
-        "tolerance": tolerance(noise),
+        "tolerance": tolerance(noise["used"]),
         "seconds": seconds,
         "recorded": [{"id": p.id, "ratio": per_recorded[p.id]["ratio"]} for p in run.prompts],
         "prompts": [{"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
@@ -347,7 +383,8 @@ def render_table(doc: dict) -> str:
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
                  f"{len(doc['recorded'])} prompts), retimed {fmt_ratio(doc['retimed_median_ratio'])} "
                  f"({len(doc['prompts'])} fresh prompts, N={doc['max_new_tokens']}, {doc['legs']} legs per side); "
-                 f"noise {doc['noise']:.0%}, allowed shortfall {doc['tolerance']:.0%}")
+                 f"control noise {doc['noise']['used']:.0%} (retime {doc['noise']['retime']:.0%}, stream "
+                 f"{doc['noise']['stream']:.0%}), allowed shortfall {doc['tolerance']:.0%}")
     lines.append(f"retime took {doc['seconds']:.1f} s  verdict: {doc['verdict'].upper()}  candidate: "
                  f"{doc['candidate']['name']}")
     return "\n".join(lines)
@@ -399,7 +436,7 @@ def retime(opts: RetimeOptions) -> int:
         findings += checks.check_leg_spread(p)
     recorded = checks.recompute_ratios(run.prompts)
     retimed = checks.median_ratio([checks.prompt_medians(p)["ratio"] for p in timed])
-    findings += check_reproduced(recorded[1], retimed, noise_of(timed))
+    findings += check_reproduced(recorded[1], retimed, noise_of(run.prompts, timed)["used"])
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
                          time.perf_counter() - started, exact)

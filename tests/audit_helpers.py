@@ -84,11 +84,11 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def retime(records: list[dict], control_s: float, candidate_s: float, peaks: dict | None = None) -> None:
-    """A consistent forgery (or a steady candidate): every leg gets a fixed wall time, laid out
-    back to back in the order legs ran; summaries and the end's median are recomputed the
-    harness's way. ``peaks`` optionally sets peak_mem_bytes per role. Edits ``records`` in
-    place; reseal when writing."""
+def retime(records: list[dict], control_s: float, candidate_s, peaks: dict | None = None) -> None:
+    """A consistent forgery (or a steady candidate): every leg gets a fixed wall time
+    (``candidate_s`` may also map a leg number to its time), laid out back to back in the order
+    legs ran; summaries and the end's median are recomputed the harness's way. ``peaks``
+    optionally sets peak_mem_bytes per role. Edits ``records`` in place; reseal when writing."""
     import statistics
 
     from harness.timing import summarize_prompt
@@ -96,8 +96,9 @@ def retime(records: list[dict], control_s: float, candidate_s: float, peaks: dic
     t = 1.0
     for r in records:
         if r["type"] == "leg":
+            cand = candidate_s[r["leg"]] if isinstance(candidate_s, dict) else candidate_s
             r["t_start"] = t
-            r["t_end"] = t + (control_s if r["role"] == "control" else candidate_s)
+            r["t_end"] = t + (control_s if r["role"] == "control" else cand)
             r["wall_s"] = r["t_end"] - r["t_start"]
             t = r["t_end"] + 0.001
             if peaks:
@@ -111,3 +112,41 @@ def retime(records: list[dict], control_s: float, candidate_s: float, peaks: dic
             ratios.append(fresh["ratio"])
         elif r["type"] == "end":
             r["median_ratio"] = statistics.median(ratios)
+
+
+def shorten_candidate(records: list[dict], factor: float) -> None:
+    """The forger's edit that only a retime catches: every candidate leg takes ``factor`` of its
+    time (its end moved back, so the leg intervals stay disjoint and in order), and the
+    summaries and the end's median are recomputed the harness's way. Reseal when writing."""
+    import statistics
+
+    from harness.timing import summarize_prompt
+
+    for r in records:
+        if r["type"] == "leg" and r["role"] == "candidate":
+            r["t_end"] = r["t_start"] + r["wall_s"] * factor
+            r["wall_s"] = r["t_end"] - r["t_start"]
+    ratios = []
+    for i, r in enumerate(records):
+        if r["type"] == "summary":
+            records[i] = {**r, **summarize_prompt(r["prompt_id"], legs_of(records, r["prompt_id"]))}
+            ratios.append(records[i]["ratio"])
+        elif r["type"] == "end":
+            r["median_ratio"] = statistics.median(ratios)
+
+
+def forge_stream(src: Path, dst_dir: Path, factor: float = 0.25) -> Path:
+    """A resealed copy of ``src`` whose candidate legs were shortened by ``factor``."""
+    dst = copy_stream(Path(src), Path(dst_dir))
+    records = read_records(dst)
+    shorten_candidate(records, factor)
+    write_records(dst, records)
+    return dst
+
+
+if __name__ == "__main__":  # `python tests/audit_helpers.py forge SRC DST_DIR [FACTOR]`, for .ci/run
+    import sys
+
+    if len(sys.argv) not in (4, 5) or sys.argv[1] != "forge":
+        sys.exit("usage: python tests/audit_helpers.py forge SRC_STREAM DST_DIR [FACTOR]")
+    print(forge_stream(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) == 5 else 0.25))
