@@ -3,6 +3,9 @@
 Launched as ``--decoder dist_decoders:ATTR`` with ``PYTHONPATH=tests``. Each is exact serial
 decoding until it meets the prompt named by ``DIST_TEST_PROMPT`` (default ``prose-letter``,
 prompt 1 of the built-in dev set, so rank 1 of 2 runs it), and then fails in its own way.
+
+Run as a script (``torchrun tests/dist_decoders.py time ...``), this file is ``harness`` with a
+short stall limit at the results exchange only: see the end of the file.
 """
 from __future__ import annotations
 
@@ -67,3 +70,23 @@ class Dies(Raises):
 
     def go_wrong(self) -> None:
         os._exit(3)
+
+
+# Rank 0 meets the hung rank at the results exchange, where HANG_LIMIT_S without progress is enough
+# to call it hung (the hung rank never moves again). Every other wait keeps --dist-timeout, so a
+# rank that starts up or loads the model late on a busy machine is never mistaken for the hang.
+HANG_LIMIT_S = 1.0
+
+if __name__ == "__main__":
+    from core import dist
+    from harness.cli import main
+
+    real_wait_for = dist.Session.wait_for
+
+    def wait_for(session, stage):
+        if stage == "results":
+            session.timeout_s = HANG_LIMIT_S
+        return real_wait_for(session, stage)
+
+    dist.Session.wait_for = wait_for
+    main(prog_name="harness")

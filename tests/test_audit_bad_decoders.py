@@ -29,6 +29,11 @@ def test_inexact_decoder_fails_at_its_first_wrong_token(tmp_path, decoder):
 
 
 def test_prompt_cache_is_a_warm_leg_finding(tmp_path):
+    """Real CPU times, with a margin no machine's speed or load can close: leg 0 runs 16 serial
+    forwards of the model (milliseconds), legs 1-2 are a dict lookup (microseconds), so the
+    candidate's later/first is below 0.01 on any CPU, 60x under the 0.6 asserted. The flag also
+    needs the control's own later/first above 0.8, or the candidate's under 0.1x the control's:
+    with the candidate near 0.001, the control's identical legs would have to differ 100-fold."""
     stream = run_harness(tmp_path / "run", "bad_decoders:PromptCache", limit=1, n=16, legs=3)
     pid = prompt_ids(read_records(stream))[0]
     result, doc = run_audit(stream)

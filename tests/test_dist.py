@@ -29,7 +29,8 @@ from core.schema import abba_roles, read_stream
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
-RUN_ARGS = ["--model", "tiny", "--limit", "3", "-n", "12", "--legs", "2"]
+# every default that differs on a GPU machine is pinned: the device and N
+RUN_ARGS = ["--model", "tiny", "--device", "cpu", "--limit", "3", "-n", "12", "--legs", "2"]
 LAUNCH_TIMEOUT_S = 300
 TIMING_KEYS = ("seconds", "ms_per_token", "world_size", "ranks")  # the replay fields that may differ
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -49,6 +50,7 @@ def launch_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(REPO), os.environ.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"  # tiny model: threads only contend on 2 cores
+    env["CUDA_VISIBLE_DEVICES"] = ""  # every rank on the CPU (gloo only), on a GPU machine too
     return {**env, **extra}
 
 
@@ -60,8 +62,10 @@ def torchrun(target: list[str], cwd: Path, **extra_env) -> subprocess.CompletedP
                           timeout=LAUNCH_TIMEOUT_S)
 
 
-def harness_time(out: Path, decoder: str, *extra: str, **extra_env) -> subprocess.CompletedProcess:
-    return torchrun(["-m", "harness", "time", *RUN_ARGS, "--decoder", decoder, "--out", str(out), *extra],
+def harness_time(out: Path, decoder: str, *extra: str, script: str | None = None,
+                 **extra_env) -> subprocess.CompletedProcess:
+    target = [script] if script else ["-m", "harness"]
+    return torchrun([*target, "time", *RUN_ARGS, "--decoder", decoder, "--out", str(out), *extra],
                     out.parent, **extra_env)
 
 
@@ -165,12 +169,15 @@ def test_failing_rank_fails_the_run(tmp_path):
 
 
 def test_hung_rank_fails_the_run(tmp_path):
+    """Launched through tests/dist_decoders.py, whose results exchange calls a rank hung after
+    HANG_LIMIT_S without progress (1 s) while every other wait keeps --dist-timeout."""
+    from dist_decoders import HANG_LIMIT_S
+
     out = tmp_path / "run"
-    # long enough that rank 0 waiting for rank 1's model load on a busy machine is no hang
-    proc = harness_time(out, "dist_decoders:Hangs", "--dist-timeout", "8")
+    proc = harness_time(out, "dist_decoders:Hangs", script=str(TESTS / "dist_decoders.py"))
     assert proc.returncode != 0
-    assert ("error: rank 1 made no progress for 8 s (--dist-timeout) while at prompt 'prose-letter' (1/1): "
-            "it hung or died; nothing was written") in error_lines(proc), proc.stderr
+    assert (f"error: rank 1 made no progress for {HANG_LIMIT_S:g} s (--dist-timeout) while at prompt "
+            "'prose-letter' (1/1): it hung or died; nothing was written") in error_lines(proc), proc.stderr
     assert leftovers(out) == []
 
 
@@ -191,7 +198,7 @@ def test_dead_rank_fails_the_run(tmp_path):
 
 def sharded_audit(stream: Path, out: Path, script: str | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     target = [script] if script else ["-m", "audit"]
-    proc = torchrun([*target, "replay", str(stream), "--out", str(out)], stream.parent)
+    proc = torchrun([*target, "replay", str(stream), "--device", "cpu", "--out", str(out)], stream.parent)
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
