@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true", help="skip the exactness comparison")
     args = ap.parse_args()
 
+    # torch and the model code load after the arguments parse (start-up time) and after pin()
     from core import determinism
 
     determinism.pin()

@@ -3,7 +3,7 @@
 ``--model`` takes a checkpoint directory or a built-in name:
   small         the default: a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256)
                 with its MTP head, TRAINED on the Python standard library (python -m
-                fixtures.train_small), committed under fixtures/small in the released layout with
+                training), committed under fixtures/small in the released layout with
                 its tokenizer; real text, real acceptance, CPU-sized;
   tiny          a deterministic random Qwen3.5 committed under fixtures/tiny in the released
                 multimodal layout, so loading it exercises the real checkpoint loader (fast tests);
@@ -40,7 +40,7 @@ SYNTHETIC_EOS = (248046, 248044)
 
 BUILTIN_MODELS = {
     "small": "a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256, 4096-token "
-    "BPE) with its MTP head, trained on the Python standard library (fixtures/train_small.py); CPU-sized",
+    "BPE) with its MTP head, trained on the Python standard library (the training package); CPU-sized",
     "tiny": "deterministic random Qwen3.5 (4 layers: 3 Gated-DeltaNet + 1 attention, MTP head, "
     "512-token BPE tokenizer) in the released checkpoint layout under fixtures/tiny; CPU-sized",
     "synthetic-9b": "the Qwen3.5-9B shape with random bf16 weights and a random MTP head, "

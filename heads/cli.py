@@ -12,59 +12,57 @@ Progress goes to stderr; the before/after summary to stdout.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from core.errors import UserError
 
-def _check_out(out: Path, model_dir: str) -> None:
-    from core.errors import UserError
-    from heads.train import HEAD_FILE
 
+def _check_out(out: Path, model_dir: str, head_file: str) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory")
-    if (out / HEAD_FILE).exists():
-        raise UserError(f"--out {str(out)!r} already holds {HEAD_FILE}; pick another directory")
+    if (out / head_file).exists():
+        raise UserError(f"--out {str(out)!r} already holds {head_file}; pick another directory")
     p = Path(model_dir)
     if p.is_dir() and out.resolve() == p.resolve():
         raise UserError("--out must not be the model's checkpoint directory (the backbone's files are never touched)")
     parent = out if out.exists() else out.parent
     while not parent.exists():
         parent = parent.parent
-    import os
-
     if not os.access(parent, os.W_OK):
         raise UserError(f"--out {str(out)!r} is not writable")
 
 
 def cmd_train(args) -> int:
+    # torch and the pipeline load for a command, not for --help (start-up time), and after pin()
     from core import determinism
 
     determinism.pin()
+    import torch
     import transformers
 
-    transformers.logging.set_verbosity_error()
-    from core.errors import UserError
     from core.models import load_model
     from core.prompts import load_prompts
-    import torch
-
     from heads import train as T
 
+    transformers.logging.set_verbosity_error()
     try:
-        _check_out(args.out, args.model)
+        cfg = T.HeadTrainConfig(max_new_tokens=args.max_new_tokens, steps=args.steps, lr=args.lr,
+                                eval_every=args.eval_every, depth=args.depth, batch=args.batch,
+                                patience=args.patience, seed=args.seed, shortlist_size=args.shortlist_size,
+                                gen_batch=args.gen_batch,
+                                gen_dtype=None if args.gen_dtype == "model" else getattr(torch, args.gen_dtype),
+                                max_heldout=args.max_heldout, max_dev=args.max_dev)
+        _check_out(args.out, args.model, T.HEAD_FILE)
         model = load_model(args.model, args.device)
         if model.mtp is None:
             raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
         prompts, info = load_prompts(args.prompts, model)
         if not prompts:
             raise UserError("the prompt set is empty")
-        res = T.train_head(model, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps, lr=args.lr,
-                           eval_every=args.eval_every, depth=args.depth, batch=args.batch,
-                           patience=args.patience, seed=args.seed, shortlist_size=args.shortlist_size,
-                           gen_batch=args.gen_batch,
-                           gen_dtype=None if args.gen_dtype == "model" else getattr(torch, args.gen_dtype),
-                           max_heldout=args.max_heldout, max_dev=args.max_dev)
-    except (UserError, ValueError) as exc:
+        res = T.train_head(model, prompts, cfg)
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = res["report"]

@@ -25,7 +25,7 @@ Pipeline (``heads train``, heads/cli.py):
     used through detached fp32 copies, so the backbone's tensors are never touched by autograd or
     the optimiser (the backbone is never written);
  5. evaluation: the head cast back to the model's dtype, chained drafts at fixed depth d against
-    the greedy stream, ``fixtures.train_small.acceptance_runs`` (what spec's head cache sees);
+    the greedy stream, ``training.acceptance.acceptance_runs`` (what spec's head cache sees);
     mean accepted length = tokens per verification round = 1 + accepted drafts per round;
  6. save: ``mtp.safetensors`` (``mtp.*``), ``draft_shortlist.json`` (``decoders.shortlist.from_streams``
     over the train+dev generations, not re-generated), ``report.json``. A head that is not better
@@ -39,13 +39,22 @@ import hashlib
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import DynamicCache
 
-from decoders.drafter import HEAD_FILE  # one name for the file, shared with spec
+from core.errors import UserError
+from core.prompts import Prompt
+from core.schema import write_json_atomic
+from decoders import shortlist as draft_shortlist
+from decoders.drafter import HEAD_FILE, SHORTLIST_FILE  # one name for each file, shared with spec
+from decoders.fast_serial import FastSerialDecoder
+from training.acceptance import acceptance_runs, summarize_acceptance
 
 REPORT_FILE = "report.json"
 
@@ -63,8 +72,6 @@ def split_prompts(prompts: list, heldout_frac: float = 0.2, dev_frac: float = 0.
     across runs and orders of the file). Needs at least 3 prompts. ``max_heldout`` / ``max_dev``
     cap those splits (their streams are generated exactly, one prompt at a time: the costly part
     of a large set); the prompts they leave go to train."""
-    from core.errors import UserError
-
     n = len(prompts)
     if n < 3:
         raise UserError(f"need at least 3 prompts (train, dev and held-out splits), got {n}")
@@ -92,8 +99,6 @@ def _cost(prompts: int, tokens: int, seconds: float, max_new_tokens: int, decode
 def generate(model, prompts: list, max_new_tokens: int, label: str = "", dec=None) -> tuple[list[list[int]], dict]:
     """Greedy continuations with FastSerialDecoder (exact: the stream spec verifies against), one
     prompt at a time, and their cost. ``dec``: a prepared FastSerialDecoder to reuse."""
-    from decoders.fast_serial import FastSerialDecoder
-
     if dec is None:
         dec = FastSerialDecoder()
         dec.prepare(model)
@@ -111,8 +116,6 @@ def equal_length_batches(prompts: list, batch: int) -> list[list]:
     """Prompts sorted by (token length, id) and cut into groups of ``batch``; every prompt of a group
     is left-truncated to the group's shortest (its last tokens kept), so a group needs no padding.
     Returns the groups of (possibly shortened) ``Prompt`` copies; ids are kept."""
-    from core.prompts import Prompt
-
     order = sorted(prompts, key=lambda p: (len(p.token_ids), p.id))
     groups = []
     for i in range(0, len(order), batch):
@@ -147,8 +150,6 @@ def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32,
     rounding moves the argmax, not only at batching near-ties. The backbone is never modified.
 
     Returns (shortened prompts, streams, cost), both lists in the order of ``prompts``."""
-    from transformers import DynamicCache
-
     lm, dev = model.backbone, model.device
     if dtype is not None and dtype != lm.dtype:
         lm = copy.deepcopy(lm).to(dtype)
@@ -206,8 +207,6 @@ def generate_splits(model, splits: dict, max_new_tokens: int, gen_batch: int = 3
     """Continuations of every split: train batched (``generate_batched``) when ``gen_batch`` > 1,
     dev and held-out always by the exact ``generate``. Returns (splits with the train prompts as
     actually used, streams per split, cost: totals plus one entry per split)."""
-    from decoders.fast_serial import FastSerialDecoder
-
     used, streams, cost = dict(splits), {}, {}
     dec = FastSerialDecoder()
     dec.prepare(model)
@@ -226,9 +225,7 @@ def generate_splits(model, splits: dict, max_new_tokens: int, gen_batch: int = 3
 
 def build_shortlist(model, prompts: list, streams: list, max_new_tokens: int, size: int) -> dict:
     """The shortlist from the generations already made (decoders.shortlist counts them)."""
-    from decoders import shortlist
-
-    return shortlist.from_streams(model, streams, max_new_tokens, min(size, model.vocab_size))
+    return draft_shortlist.from_streams(model, streams, max_new_tokens, min(size, model.vocab_size))
 
 
 # --------------------------------------------------------------------------- data and loss
@@ -291,17 +288,14 @@ def mean_loss(head, shared, examples: list[dict]) -> float | None:
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model, head, prompts: list, streams: list, depth: int) -> dict:
+def evaluate(backbone, head, prompts: list, streams: list, depth: int) -> dict:
     """Acceptance per depth and mean accepted length at fixed depth ``depth`` on these prompts:
-    chained drafts of ``head`` (in the model's dtype) against the greedy streams."""
-    from fixtures.train_small import acceptance_runs, summarize_acceptance
-
-    shim = SimpleNamespace(backbone=model.backbone, mtp=head, device=model.device)
+    chained drafts of ``head`` (in the backbone's dtype, on its device) against the greedy streams."""
     rows, lens = [], []
     for p, s in zip(prompts, streams):
         if len(s) < 2:
             continue  # no token t+2 after the prompt's last row
-        A, L = acceptance_runs(shim, [p.token_ids], [s], depth)
+        A, L = acceptance_runs(backbone, head, [p.token_ids], [s], depth)
         rows.append(A[0])
         # summarize with a common P = 1: token t+k+1 exists iff j + k < len(stream)
         lens.append(int(L[0]) - len(p.token_ids) + 1)
@@ -327,8 +321,8 @@ def _mal(ev: dict) -> float:
 
 @contextlib.contextmanager
 def _training_determinism(device):
-    """Backward ops may lack deterministic CUDA kernels: warn-only while training (as
-    fixtures/train_small.py does), the pinned configuration again afterwards."""
+    """Backward ops may lack deterministic CUDA kernels: warn-only while training (as the
+    ``training`` package does), the pinned configuration again afterwards."""
     prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     if prev[0] and torch.device(device).type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -342,30 +336,48 @@ def head_state(head, dtype) -> dict:
     return {k: v.detach().to(dtype).clone() for k, v in head.state_dict().items()}
 
 
-def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200, lr: float = 3e-4,
-               eval_every: int = 50, depth: int = 4, batch: int = 4, patience: int = 3, seed: int = 0,
-               shortlist_size: int = 32768, gen_batch: int = 32, gen_dtype: torch.dtype | None = None,
-               max_heldout: int | None = None, max_dev: int | None = None) -> dict:
+@dataclass(frozen=True)
+class HeadTrainConfig:
+    """Every setting of ``train_head`` (``heads train``'s options), checked on construction."""
+
+    max_new_tokens: int = 128               # greedy tokens generated per prompt (-n)
+    steps: int = 200                        # optimizer steps at most (early stopping may end sooner)
+    lr: float = 3e-4                        # AdamW learning rate of the fp32 head copy
+    eval_every: int = 50                    # steps between evaluations (dev loss, held-out acceptance)
+    depth: int = 4                          # draft depth of the acceptance measurement
+    batch: int = 4                          # train sequences per step
+    patience: int = 3                       # evaluations without dev-loss improvement before stopping
+    seed: int = 0                           # torch's seed and the batch sampler's
+    shortlist_size: int = 32768             # draft shortlist ids (capped at the vocabulary)
+    gen_batch: int = 32                     # train-split generation rows per batch; 1: exact, one at a time
+    gen_dtype: torch.dtype | None = None    # dtype of the batched train generation; None: the model's
+    max_heldout: int | None = None          # cap on held-out prompts (None: 20 % of the set)
+    max_dev: int | None = None              # cap on dev prompts (None: 10 % of the set)
+
+    def __post_init__(self):
+        if (self.steps < 1 or self.eval_every < 1 or self.depth < 1 or self.batch < 1 or self.gen_batch < 1
+                or self.max_new_tokens < 2):
+            raise UserError("--steps, --eval-every, --depth, --batch and --gen-batch must be >= 1, and -n >= 2")
+        if (self.max_heldout is not None and self.max_heldout < 1) or (self.max_dev is not None and self.max_dev < 1):
+            raise UserError("--max-heldout and --max-dev must be >= 1")
+
+
+def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
     """The whole pipeline short of saving. Returns a dict with 'report' (JSON-able), 'state' (the
     selected head's state dict in the model's dtype, or None if no trained checkpoint was
-    evaluated), 'improved' and 'shortlist'. ``gen_batch`` > 1 generates the train split batched
-    (``generate_batched``: shortened prompts, not exact; ``gen_dtype`` a dtype for it other than the
-    model's); dev and held-out are always exact. ``max_heldout`` / ``max_dev`` cap those splits."""
-    from core.errors import UserError
-
+    evaluated), 'improved' and 'shortlist'. ``cfg.gen_batch`` > 1 generates the train split batched
+    (``generate_batched``: shortened prompts, not exact; ``cfg.gen_dtype`` a dtype for it other than
+    the model's); dev and held-out are always exact. ``cfg.max_heldout`` / ``cfg.max_dev`` cap those
+    splits."""
     if model.mtp is None:
         raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
     if not prompts:
         raise UserError("the prompt set is empty")
-    if steps < 1 or eval_every < 1 or depth < 1 or batch < 1 or gen_batch < 1 or max_new_tokens < 2:
-        raise UserError("--steps, --eval-every, --depth, --batch and --gen-batch must be >= 1, and -n >= 2")
-    if (max_heldout is not None and max_heldout < 1) or (max_dev is not None and max_dev < 1):
-        raise UserError("--max-heldout and --max-dev must be >= 1")
     dtype = model.backbone.lm_head.weight.dtype
-    splits = split_prompts(prompts, max_heldout=max_heldout, max_dev=max_dev)
+    splits = split_prompts(prompts, max_heldout=cfg.max_heldout, max_dev=cfg.max_dev)
     log("splits: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
 
-    splits, S, gen_cost = generate_splits(model, splits, max_new_tokens, gen_batch, gen_dtype)
+    splits, S, gen_cost = generate_splits(model, splits, cfg.max_new_tokens, cfg.gen_batch, cfg.gen_dtype)
     for k in ("train", "dev", "heldout"):
         g = gen_cost[k]
         log(f"generation {k}: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['decoder']}, "
@@ -373,7 +385,7 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
 
     log("building the draft shortlist (train + dev generations)")
     sl_prompts = splits["train"] + splits["dev"]
-    shortlist = build_shortlist(model, sl_prompts, S["train"] + S["dev"], max_new_tokens, shortlist_size)
+    shortlist = build_shortlist(model, sl_prompts, S["train"] + S["dev"], cfg.max_new_tokens, cfg.shortlist_size)
 
     log("backbone hidden states (no grad)")
     t0 = time.perf_counter()
@@ -385,13 +397,13 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
     shared = FrozenShared(model)
     head = copy.deepcopy(model.mtp).float().train()
     eval_head = copy.deepcopy(model.mtp).eval()
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     def held(step: int) -> dict:
         eval_head.load_state_dict(head_state(head, dtype))
-        ev = evaluate(model, eval_head, splits["heldout"], S["heldout"], depth)
+        ev = evaluate(model.backbone, eval_head, splits["heldout"], S["heldout"], cfg.depth)
         head.eval()
         dl = mean_loss(head, shared, data["dev"])
         head.train()
@@ -407,8 +419,8 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
     t0 = time.perf_counter()
     step = 0
     with _training_determinism(model.device):
-        for step in range(1, steps + 1):
-            idx = torch.randint(len(data["train"]), (batch,), generator=gen).tolist()
+        for step in range(1, cfg.steps + 1):
+            idx = torch.randint(len(data["train"]), (cfg.batch,), generator=gen).tolist()
             opt.zero_grad(set_to_none=True)
             tot = 0.0
             losses = [example_loss(head, shared, data["train"][i]) for i in idx]
@@ -420,9 +432,9 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
                 opt.step()
                 tot = loss.item()
             train_losses.append(tot)
-            if step % eval_every == 0 or step == steps:
+            if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec = held(step)
-                rec["train_loss"] = sum(train_losses[-eval_every:]) / len(train_losses[-eval_every:])
+                rec["train_loss"] = sum(train_losses[-cfg.eval_every:]) / len(train_losses[-cfg.eval_every:])
                 history.append(rec)
                 mal = rec["heldout"]["mean_accepted_length"]
                 log(f"step {step}: train loss {rec['train_loss']:.4f}, dev loss {rec['dev_loss']}, "
@@ -435,22 +447,22 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
                     best_dev, bad_evals = rec["dev_loss"], 0
                 else:
                     bad_evals += 1
-                    if bad_evals >= patience:
+                    if bad_evals >= cfg.patience:
                         stopped_early = True
-                        log(f"early stop at step {step}: dev loss did not improve for {patience} evaluations")
+                        log(f"early stop at step {step}: dev loss did not improve for {cfg.patience} evaluations")
                         break
     train_s = time.perf_counter() - t0
     improved = best is not None and _mal(best["heldout"]) > _mal(before["heldout"])
     report = {
         "model": model.identity,
-        "depth": depth,
+        "depth": cfg.depth,
         "splits": {k: [p.id for p in v] for k, v in splits.items()},
         "split_rule": {"by": "sha256 of the prompt id", "heldout_frac": 0.2, "dev_frac": 0.1,
-                       "max_heldout": max_heldout, "max_dev": max_dev},
+                       "max_heldout": cfg.max_heldout, "max_dev": cfg.max_dev},
         "generation": gen_cost,
         "hidden_states_seconds": hidden_s,
-        "training": {"steps_requested": steps, "steps_run": step, "lr": lr, "batch": batch,
-                     "eval_every": eval_every, "patience": patience, "seed": seed,
+        "training": {"steps_requested": cfg.steps, "steps_run": step, "lr": cfg.lr, "batch": cfg.batch,
+                     "eval_every": cfg.eval_every, "patience": cfg.patience, "seed": cfg.seed,
                      "stopped_early": stopped_early, "seconds": train_s,
                      "train_rows": sum(max(ex["ids"].shape[1] - max(ex["P"] - 1, 0) - 2, 0) for ex in data["train"]),
                      "early_stopping": "dev loss (head CE on dev streams), patience in evaluations",
@@ -469,17 +481,11 @@ def train_head(model, prompts: list, max_new_tokens: int = 128, steps: int = 200
 
 
 def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
-    from safetensors.torch import save_file
-
-    from core.schema import write_json_atomic
-
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (HEAD_FILE + ".tmp")
     save_file({"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
               metadata={"format": "pt", "selected_step": str(report.get("selected_step"))})
     tmp.replace(out / HEAD_FILE)
-    from decoders.drafter import SHORTLIST_FILE
-
     write_json_atomic(out / SHORTLIST_FILE, shortlist)
     write_json_atomic(out / REPORT_FILE, report)
 

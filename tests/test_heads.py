@@ -23,7 +23,8 @@ def trained():
     before_backbone = {k: v.clone() for k, v in model.backbone.state_dict().items()}
     before_head = {k: v.clone() for k, v in model.mtp.state_dict().items()}
     prompts, _ = load_prompts("dev", model)
-    res = T.train_head(model, prompts, max_new_tokens=16, steps=8, lr=3e-3, eval_every=4, depth=3, batch=2)
+    res = T.train_head(model, prompts, T.HeadTrainConfig(max_new_tokens=16, steps=8, lr=3e-3, eval_every=4, depth=3,
+                                                         batch=2))
     return model, prompts, res, before_backbone, before_head
 
 
@@ -192,7 +193,7 @@ def test_spec_loads_a_trained_head_by_decoder_arg(trained, tmp_path):
     out = tmp_path / "run"
     r = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec", "--decoder-arg",
                                           f"head={tmp_path / 'head'}", "--limit", "2", "-n", "12", "--legs", "1",
-                                          "--out", str(out)])
+                                          "--device", "cpu", "--out", str(out)])
     assert r.exit_code == 0, r.output
     header = json.loads((out / "stream.jsonl").read_text().splitlines()[0])
     cfg = header["candidate"]["config"]
@@ -207,7 +208,7 @@ def test_spec_loads_a_trained_head_by_decoder_arg(trained, tmp_path):
 
     bad = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec", "--decoder-arg",
                                             f"head={tmp_path / 'nowhere'}", "--limit", "1", "-n", "4",
-                                            "--out", str(tmp_path / "bad")])
+                                            "--device", "cpu", "--out", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "no such head file" in bad.output and "Traceback" not in bad.output
     assert not (tmp_path / "bad" / "stream.jsonl").exists()
 

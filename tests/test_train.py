@@ -1,4 +1,4 @@
-"""The small-model training pipeline (core/corpus.py, fixtures/train_small.py) on a CPU.
+"""The small-model training pipeline (core/corpus.py, the training package) on a CPU.
 
 The corpus split is by file, deterministic, and never overlaps; a ``--smoke`` run writes a
 checkpoint that the real loader loads, decodes and drafts with; the head's training forward is the
@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from core import corpus as corpus_mod
-from fixtures import train_small as ts
+from training import cli
+from training.acceptance import acceptance_runs, summarize_acceptance
+from training.data import SPECIAL, fixed_windows
+from training.model import PRESETS, add_dropout, build_models, losses, mtp_rows, text_config
+from training.quality import heldout_prompts, loops
+from training.train import lr_at, plan_steps, train
+from training.unloop import greedy_continuations, repeat_mask, unlikelihood
 
 # --------------------------------------------------------------------------- corpus
 
@@ -99,9 +105,9 @@ def test_subset_keeps_splits_and_budgets(stdlib_corpus):
 
 @pytest.fixture(scope="module")
 def smoke_models():
-    p = ts.PRESETS["smoke"]
-    cfg = ts.text_config(p, [2, 0], 0)
-    backbone, head = ts.build_models(cfg, seed=3)
+    p = PRESETS["smoke"]
+    cfg = text_config(p, [2, 0], 0)
+    backbone, head = build_models(cfg, seed=3)
     with torch.no_grad():  # non-trivial norms, so that a swapped or skipped norm shows
         for m in (backbone, head):
             for name, q in m.named_parameters():
@@ -118,7 +124,7 @@ def test_training_forward_is_the_inference_head(smoke_models):
 
     backbone, head = smoke_models
     ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
-    hidden, out = ts.mtp_rows(backbone, head, ids)
+    hidden, out = mtp_rows(backbone, head, ids)
     T = ids.shape[1]
     assert out.shape == (2, T - 2, hidden.shape[-1])
     assert torch.equal(hidden, backbone.model(input_ids=ids).last_hidden_state)  # after the final norm
@@ -128,7 +134,7 @@ def test_training_forward_is_the_inference_head(smoke_models):
                 for t in range(T - 2)]
         torch.testing.assert_close(torch.cat(rows, 1), out[b:b + 1], atol=1e-5, rtol=1e-4)
     # and the loss targets token t+2 from row t
-    ntp, mtp = ts.losses(backbone, head, ids)
+    ntp, mtp = losses(backbone, head, ids)
     V = backbone.config.vocab_size
     want = torch.stack([F.cross_entropy(backbone.lm_head(out[:, t]).float(), ids[:, t + 2]) for t in range(T - 2)])
     torch.testing.assert_close(mtp, want.mean(), atol=1e-5, rtol=1e-5)
@@ -141,7 +147,7 @@ def test_hidden_reaches_the_backbone_unless_detached(smoke_models):
     ids = torch.randint(3, 512, (1, 10), generator=torch.Generator().manual_seed(1))
     for detach, expect in ((False, True), (True, False)):
         backbone.zero_grad(set_to_none=True)
-        _, out = ts.mtp_rows(backbone, head, ids, detach_hidden=detach)
+        _, out = mtp_rows(backbone, head, ids, detach_hidden=detach)
         out.sum().backward()
         g = backbone.model.layers[0].mlp.down_proj.weight.grad
         assert (g is not None and g.abs().sum() > 0) == expect
@@ -154,7 +160,7 @@ def test_dropout_hooks_act_in_training_only(smoke_models):
     ids = torch.randint(3, 512, (1, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = backbone.model(input_ids=ids).last_hidden_state
-    handles = ts.add_dropout([backbone, head], 0.5)
+    handles = add_dropout([backbone, head], 0.5)
     try:
         assert len(handles) == 2 * (backbone.config.num_hidden_layers + 1)
         with torch.no_grad():
@@ -171,12 +177,12 @@ def test_dropout_hooks_act_in_training_only(smoke_models):
 
 
 def _tiny_run(steps, minutes=None, **changes):
-    p = dataclasses.replace(ts.PRESETS["smoke"], eval_every=1000, log_every=1000, **changes)
-    cfg = ts.text_config(p, [2, 0], 0)
-    backbone, head = ts.build_models(cfg, seed=5)
+    p = dataclasses.replace(PRESETS["smoke"], eval_every=1000, log_every=1000, **changes)
+    cfg = text_config(p, [2, 0], 0)
+    backbone, head = build_models(cfg, seed=5)
     stream = torch.randint(3, 512, (4000,), generator=torch.Generator().manual_seed(5))
-    dev = ts.fixed_windows(stream[:512], p.seq_len, 4)
-    return ts.train(backbone, head, stream, dev, p, steps, torch.device("cpu"), 5, minutes)
+    dev = fixed_windows(stream[:512], p.seq_len, 4)
+    return train(backbone, head, stream, dev, p, steps, torch.device("cpu"), 5, minutes)
 
 
 def test_training_is_deterministic():
@@ -189,25 +195,25 @@ def test_training_is_deterministic():
 def test_auto_plan_fits_the_time_cap():
     r = _tiny_run(None, minutes=0.05, calib_steps=12, warmup=13, max_epochs=1000.0, seq_len=32, batch=2)
     assert r.plan["rule"].endswith("time cap") and r.plan["seconds_per_step"] > 0
-    fast = dataclasses.replace(ts.PRESETS["smoke"], max_epochs=1000.0, seq_len=32, batch=2)
-    assert r.plan["steps"] <= ts.plan_steps(fast, 4000)
+    fast = dataclasses.replace(PRESETS["smoke"], max_epochs=1000.0, seq_len=32, batch=2)
+    assert r.plan["steps"] <= plan_steps(fast, 4000)
     assert r.steps_done <= r.plan["steps"] and r.stopped_by in ("steps", "time")
     untimed = _tiny_run(None, max_epochs=0.2)
-    assert untimed.plan == {"rule": "0.2 epochs", "steps": ts.plan_steps(
-        dataclasses.replace(ts.PRESETS["smoke"], max_epochs=0.2), 4000)} and untimed.steps_done == untimed.plan["steps"]
+    assert untimed.plan == {"rule": "0.2 epochs", "steps": plan_steps(
+        dataclasses.replace(PRESETS["smoke"], max_epochs=0.2), 4000)} and untimed.steps_done == untimed.plan["steps"]
 
 
 def test_lr_schedule():
-    p = ts.PRESETS["smoke"]
-    assert ts.lr_at(0, p, 100) == pytest.approx(p.lr / p.warmup)
-    assert ts.lr_at(p.warmup - 1, p, 100) == pytest.approx(p.lr)
-    assert ts.lr_at(99, p, 100) == pytest.approx(p.lr * p.min_lr_frac, rel=0.01)
-    assert all(ts.lr_at(s, p, 100) >= ts.lr_at(s + 1, p, 100) for s in range(p.warmup, 99))
+    p = PRESETS["smoke"]
+    assert lr_at(0, p, 100) == pytest.approx(p.lr / p.warmup)
+    assert lr_at(p.warmup - 1, p, 100) == pytest.approx(p.lr)
+    assert lr_at(99, p, 100) == pytest.approx(p.lr * p.min_lr_frac, rel=0.01)
+    assert all(lr_at(s, p, 100) >= lr_at(s + 1, p, 100) for s in range(p.warmup, 99))
 
 
 def test_loop_check():
-    assert ts.loops([1, 2, 3] * 20) and ts.loops([7] * 40)
-    assert not ts.loops(list(range(40))) and not ts.loops([1, 2] * 5)
+    assert loops([1, 2, 3] * 20) and loops([7] * 40)
+    assert not loops(list(range(40))) and not loops([1, 2] * 5)
 
 
 # --------------------------------------------------------------------------- the --smoke run
@@ -216,7 +222,7 @@ def test_loop_check():
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("small") / "ckpt"
-    report = ts.main(["--smoke", "--out", str(out), "--device", "cpu"])
+    report = cli.main(["--smoke", "--out", str(out), "--device", "cpu"])
     return out, report
 
 
@@ -250,7 +256,7 @@ def test_smoke_checkpoint_is_in_the_released_layout(smoke):
     tok = json.loads((out / "tokenizer.json").read_text())
     added = {t["content"]: t["id"] for t in tok["added_tokens"]}
     assert gen["eos_token_id"] == [added["<|im_end|>"], added["<|endoftext|>"]]
-    assert set(added) == set(ts.SPECIAL)
+    assert set(added) == set(SPECIAL)
     for name in ("tokenizer_config.json", "corpus_manifest.json", "quality.json"):
         assert (out / name).is_file()
 
@@ -260,7 +266,7 @@ def test_smoke_checkpoint_loads_and_decodes(smoke, smoke_model):
 
     m = smoke_model
     assert m.mtp is not None and m.identity["layout"] == "multimodal"
-    assert m.vocab_size == ts.PRESETS["smoke"].vocab
+    assert m.vocab_size == PRESETS["smoke"].vocab
     tok = m.tokenizer.get()
     prompt = tok.encode("def read(self, path):\n    ")
     dec = SerialDecoder()
@@ -288,7 +294,7 @@ def test_quality_report(smoke):
     for key in ("corpus", "tokenizer", "model", "training", "dev", "heldout", "acceptance", "spec_check", "samples",
                 "repetition", "determinism", "versions"):
         assert key in q, key
-    p = ts.PRESETS["smoke"]
+    p = PRESETS["smoke"]
     assert math.isfinite(q["heldout"]["ntp_loss"]) and math.isfinite(q["heldout"]["mtp_loss"])
     assert q["heldout"]["ntp_bits_per_byte"] > 0
     acc = q["acceptance"]
@@ -318,29 +324,29 @@ def test_measure_only_reproduces_the_runs_own_quality(smoke):
     """Re-measuring a checkpoint gives the figures its training run measured (same splits, prompts,
     loop check), so a shipped model and a new variant can be compared on one measure."""
     out, report = smoke
-    again = ts.main(["--smoke", "--out", str(out), "--device", "cpu", "--measure-only", "--no-spec-check"])
+    again = cli.main(["--smoke", "--out", str(out), "--device", "cpu", "--measure-only", "--no-spec-check"])
     assert json.loads((out / "quality.remeasured.json").read_text()) == json.loads(json.dumps(again))
     for key in ("dev", "heldout", "repetition", "dev_repetition", "samples"):
         assert again[key] == json.loads(json.dumps(report[key])), key
     assert again["files_sha256"] == report["corpus"]["files_sha256"]
 
 
-def test_measure_only_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+def test_measure_only_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        ts.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--measure-only"])
-    assert "not a checkpoint" in str(exc.value)
+        cli.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--measure-only"])
+    assert "not a checkpoint" in capsys.readouterr().err and exc.value.code == 2
 
 
 def test_training_knobs_reach_the_preset_and_bad_ones_are_refused(monkeypatch):
     seen = {}
-    monkeypatch.setattr(ts, "run", lambda out, preset, *a, **k: seen.setdefault("preset", preset))
-    ts.main(["--smoke", "--out", "/nonexistent", "--device", "cpu", "--dropout", "0.2", "--weight-decay", "0.3",
-             "--max-epochs", "12"])
+    monkeypatch.setattr(cli, "run", lambda out, preset, *a, **k: seen.setdefault("preset", preset))
+    cli.main(["--smoke", "--out", "/nonexistent", "--device", "cpu", "--dropout", "0.2", "--weight-decay", "0.3",
+              "--max-epochs", "12"])
     p = seen["preset"]
     assert (p.dropout, p.weight_decay, p.max_epochs) == (0.2, 0.3, 12.0)
     for bad in (["--dropout", "1.0"], ["--weight-decay", "-1"], ["--max-epochs", "0"]):
         with pytest.raises(SystemExit) as exc:
-            ts.main(["--smoke", "--out", "/nonexistent", *bad])
+            cli.main(["--smoke", "--out", "/nonexistent", *bad])
         assert exc.value.code == 2
 
 
@@ -380,7 +386,7 @@ def test_acceptance_matches_brute_force(smoke, smoke_model, stdlib_corpus):
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(smoke[0] / "tokenizer.json"))
-    prompts = [q["ids"] for q in ts.heldout_prompts(stdlib_corpus.split("heldout"), raw, 3, 1, 12, 10)]
+    prompts = [q["ids"] for q in heldout_prompts(stdlib_corpus.split("heldout"), raw, 3, 1, 12, 10)]
     dec = SerialDecoder()
     dec.prepare(smoke_model)
     streams = [dec.decode(q, 10).tokens for q in prompts]
@@ -395,19 +401,19 @@ def test_acceptance_matches_brute_force(smoke, smoke_model, stdlib_corpus):
         seq.append(int(lm.lm_head(o[:, -1]).argmax(-1)))
     prompts.append(prompts[0])
     streams.append(seq[len(prompts[0]):])
-    A, lens = ts.acceptance_runs(smoke_model, prompts, streams, depth=3)
+    A, lens = acceptance_runs(smoke_model.backbone, smoke_model.mtp, prompts, streams, depth=3)
     want = _reference_runs(smoke_model, prompts, streams, depth=3)
     for i, row in enumerate(want):
         got = [int(x) for x in A[i] if x >= 0]
         assert got == row
     assert min(want[-1]) >= 1  # the constructed stream accepts every first draft
-    summary = ts.summarize_acceptance(A, lens, 12, 3)
+    summary = summarize_acceptance(A, lens, 12, 3)
     assert summary["positions"] == sum(len(r) for r in want)
     assert summary["per_depth"][0]["accepted"] == sum(r >= 1 for row in want for r in row)
 
 
 def test_make_tiny_output_unchanged(tmp_path):
-    """make_tiny's writer is shared with train_small; the committed tiny fixture must stay byte-identical."""
+    """make_tiny's writer is shared with training.export; the committed tiny fixture must stay byte-identical."""
     from fixtures import make_tiny
     from core.models import TINY_DIR
 
@@ -423,10 +429,10 @@ def test_make_tiny_output_unchanged(tmp_path):
 
 def test_repeat_mask_marks_tokens_that_complete_a_seen_ngram():
     seq = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 4, 2, 3]])
-    m = ts.repeat_mask(seq, start=4, n=2)
+    m = repeat_mask(seq, start=4, n=2)
     # from position 4: (9,1) new, (1,2) seen, (2,3) seen, (3,4) new, (4,2) new, (2,3) seen
     assert m[0].tolist() == [False] * 4 + [False, True, True, False, False, True]
-    assert not ts.repeat_mask(seq, start=4, n=5).any()
+    assert not repeat_mask(seq, start=4, n=5).any()
 
 
 def test_greedy_continuations_are_the_uncached_argmax(smoke_models):
@@ -435,7 +441,7 @@ def test_greedy_continuations_are_the_uncached_argmax(smoke_models):
     backbone, _ = smoke_models
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, backbone.config.vocab_size, (3, 10), generator=gen)
-    seq = ts.greedy_continuations(backbone, prompts, 6, amp=False)
+    seq = greedy_continuations(backbone, prompts, 6, amp=False)
     assert seq.shape == (3, 16) and torch.equal(seq[:, :10], prompts)
     with torch.no_grad():
         for t in range(10, 16):
@@ -449,7 +455,7 @@ def test_unloop_lowers_the_probability_of_a_repeat(smoke_models):
 
     backbone, head = (copy.deepcopy(m) for m in smoke_models)
     seq = torch.tensor([[5, 6, 7, 8] * 6])
-    mask = ts.repeat_mask(seq, 4, 4)
+    mask = repeat_mask(seq, 4, 4)
     assert mask[0, 7:].all()
 
     def p_repeat():
@@ -461,22 +467,22 @@ def test_unloop_lowers_the_probability_of_a_repeat(smoke_models):
     opt = torch.optim.SGD(backbone.parameters(), lr=0.5)
     for _ in range(5):
         backbone.zero_grad()
-        ts.unlikelihood(backbone, seq, mask, 4).backward()
+        unlikelihood(backbone, seq, mask, 4).backward()
         opt.step()
     assert p_repeat() < before
 
 
 def test_unloop_run_records_its_rounds(tmp_path):
     out = tmp_path / "u"
-    report = ts.main(["--smoke", "--out", str(out), "--device", "cpu", "--unloop-steps", "4", "--no-spec-check"])
+    report = cli.main(["--smoke", "--out", str(out), "--device", "cpu", "--unloop-steps", "4", "--no-spec-check"])
     u = report["training"]["unloop"]
     assert u["updates"] == 4 and len(u["rounds"]) == 2 and u["settings"]["unloop_steps"] == 4
     assert all(0.0 <= r["looping_fraction"] <= 1.0 and r["mean_unlikelihood"] >= 0.0 for r in u["rounds"])
-    again = ts.main(["--smoke", "--out", str(tmp_path / "v"), "--device", "cpu", "--init-from", str(out),
-                     "--unloop-steps", "2", "--no-spec-check"])
+    again = cli.main(["--smoke", "--out", str(tmp_path / "v"), "--device", "cpu", "--init-from", str(out),
+                      "--unloop-steps", "2", "--no-spec-check"])
     t = again["training"]
     assert t["steps_done"] == 0 and t["init_from"]["path"] == str(out) and t["unloop"]["updates"] == 2
     # starting from an exported checkpoint begins where that run's unlikelihood phase ended
     assert t["unloop"]["dev_before"]["ntp_loss"] == pytest.approx(u["dev_after"]["ntp_loss"], abs=0.02)
     with pytest.raises(SystemExit):
-        ts.main(["--smoke", "--out", str(out), "--init-from", str(out), "--unloop-steps", "1"])
+        cli.main(["--smoke", "--out", str(out), "--init-from", str(out), "--unloop-steps", "1"])
