@@ -1,9 +1,9 @@
 """The one pinned deterministic configuration that control, candidate and audit all run in.
 
-FINDINGS.md: by default the same serial decode on an H200 gave different logits run to run
-(q_len=1 attention dispatched to cuDNN). With ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` set before CUDA
-starts and ``torch.use_deterministic_algorithms(True)`` it was bit-reproducible. We also switch
-off cuDNN attention and TF32 explicitly, so the configuration does not depend on defaults.
+With default settings the same serial decode on an H200 gives different logits from run to run
+(q_len=1 attention goes to cuDNN); with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` set before CUDA starts
+and ``torch.use_deterministic_algorithms(True)`` it is bit-reproducible. cuDNN attention and TF32
+are also switched off explicitly, so the configuration does not depend on defaults.
 ``pin()`` must run before anything touches CUDA; ``current()`` reads back what is in force.
 """
 from __future__ import annotations
