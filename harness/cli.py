@@ -19,7 +19,7 @@ import click
 
 from core.errors import DistError, Stopped, UserError
 from core.schema import LEG_SPREAD_LIMIT, SCHEMA, AtomicJsonlWriter, dumps, leg_spread
-from decoders import CONTROL, DEFAULT_DECODER, REGISTRY
+from decoders import CONTROL, DEFAULT_DECODER, REGISTRY, get_decoder, parse_decoder_args
 
 # the 1-minute load average, as a share of the CPUs, above which timings are called noisy: torch's
 # CPU ops use every core (and the eager control is host-bound on a GPU), so when other work keeps
@@ -214,6 +214,7 @@ def run_time(opts: TimeOptions) -> Path | None:
 
 
 def stop_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     raise Stopped("SIGTERM")
 
 
@@ -224,9 +225,7 @@ def choose_stream_path(decoder_spec: str, out_dir: Path | None, force: bool) -> 
     out_dir = out_dir or Path("runs") / f"{decoder_spec.replace(':', '_').replace('/', '_')}-{stamp}"
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
-        what = "--out" if existing == out_dir else f"--out's parent {existing}"
-        raise UserError(f"{what} {out_dir if existing == out_dir else ''}".rstrip()
-                        + " is a file, not a directory; give a directory for stream.jsonl")
+        raise UserError(f"--out {out_dir}: {existing} is a file, not a directory; give a directory for stream.jsonl")
     stream_path = out_dir / "stream.jsonl"
     if stream_path.is_dir():
         raise UserError(f"{stream_path} is a directory; choose another --out")
@@ -277,7 +276,6 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     from core.models import load_model  # imports torch: loads only when a command runs
     from core.prompts import load_prompts  # imports torch: loads only when a command runs
-    from decoders import get_decoder, parse_decoder_args  # decoders load only when a command runs
     from harness.timing import Clock, Watch, warmup_ids  # imports torch: loads only when a command runs
 
     log = log or (lambda message: click.echo(message, err=True))

@@ -70,6 +70,18 @@ class Interrupted(Failing):
     error = KeyboardInterrupt
 
 
+class Validates(WrappedSerial):
+    """Checks its argument's value in the constructor, as registered decoders do."""
+
+    name = "validates"
+
+    def __init__(self, width: int = 4, tag: str = "validates"):
+        if width < 1:
+            raise ValueError("width must be at least 1")
+        super().__init__(tag=tag)
+        self.width = width
+
+
 class Sleeps(WrappedSerial):
     """Sleeps in every decode (the warm-up included): a run that is still going when it is stopped."""
 

@@ -280,10 +280,10 @@ def test_out_naming_a_file_is_refused_before_the_model_loads(tmp_path):
 
 
 @pytest.mark.parametrize("decoder,arg,needles", [
-    ("spec", "bogus=1", ("decoder 'spec' takes no argument 'bogus'", "max_depth=6", "shortlist=None")),
+    ("spec", "bogus=1", ("decoder 'spec' takes no argument 'bogus'", "its arguments: ", "max_depth=")),
     ("serial", "depth=2", ("decoder 'serial' takes no argument 'depth'", "its arguments: none")),
-    ("spec-instrument", "alpha=3", ("decoder 'spec-instrument' rejected --decoder-arg alpha=3",
-                                    "alpha must be within 0..1", "alpha=0.85", "max_depth=6")),
+    ("plugin_decoders:Validates", "width=0", ("decoder 'plugin_decoders:Validates' rejected --decoder-arg width=0",
+                                              "width must be at least 1", "its arguments: width=4, tag='validates'")),
 ])
 def test_decoder_arg_errors_name_the_decoder_and_its_arguments(tmp_path, decoder, arg, needles):
     out = tmp_path / "run"
