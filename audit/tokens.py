@@ -32,6 +32,7 @@ import click
 import jsonlines
 import torch
 
+from core import determinism
 from core.errors import UserError
 from core.models import device_name, load_model
 from core.schema import write_json_atomic
@@ -397,6 +398,7 @@ def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pa
         "file_sha256": sha256_file(opts.file),
         "model": model.identity,
         "replay": {**replay, "path": "pristine-serial", "device": device_name(torch.device(dev))},
+        "determinism": determinism.current(),
         "max_new_tokens": n,
         "n_from": "-n" if opts.max_new_tokens else "longest output",
         "eos_token_ids": list(model.eos_token_ids),

@@ -7,9 +7,12 @@ near-tie or a large margin, and stop errors where the pristine path emits an EOS
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from audit_helpers import run_harness
 from click.testing import CliRunner
 
 from audit.cli import main as audit_main
@@ -335,3 +338,20 @@ def test_reports_render_shows_a_tokens_audit(tiny_prompts, tmp_path):
     png = tmp_path / "figures" / "token_margins.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "](figures/token_margins.png)" in report
+
+
+def test_stream_export_audits_exact(tmp_path):
+    """bench/stream_to_tokens.py: a harness stream's candidate legs as shape (a), exact under audit."""
+    stream = run_harness(tmp_path / "run", "spec", limit=2, n=12, legs=1)
+    out = tmp_path / "run" / "candidate.jsonl"
+    script = Path(__file__).resolve().parent.parent / "bench" / "stream_to_tokens.py"
+    proc = subprocess.run([sys.executable, str(script), str(stream), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "-n 12" in proc.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    legs = [r for r in map(json.loads, stream.read_text().splitlines()) if r["type"] == "leg"
+            and r["role"] == "candidate" and r["leg"] == 0]
+    assert [r["output_token_ids"] for r in records] == [leg["tokens"] for leg in legs]
+    result, doc = audit_tokens(out, "tiny", "-n", "12")
+    assert result.exit_code == 0, result.output
+    assert doc["verdict"] == "exact" and [g["id"] for g in doc["generations"]] == [r["id"] for r in records]
