@@ -147,8 +147,8 @@ def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
         raise UserError(f"{where}: 'id' must be a non-empty string or an integer")
     base = str(raw_id) if raw_id is not None else f"line-{lineno}"
     if "sequences" in rec:
-        outputs, prompt_ids, text = split_sequences(rec, where)
-        padded = True
+        outputs, prompt_ids = split_sequences(rec, where)
+        text, padded = None, True
     elif "outputs" in rec:
         outs = rec["outputs"]
         if not isinstance(outs, list) or not outs:
@@ -183,7 +183,8 @@ def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
     raise UserError(f"{where}: lacks 'prompt_token_ids' (or 'prompt' text)")
 
 
-def split_sequences(rec: dict, where: str) -> tuple[list[list[int]], list[int], None]:
+def split_sequences(rec: dict, where: str) -> tuple[list[list[int]], list[int]]:
+    """Shape (c): each sequence split after its prompt (given as ids, or as a length)."""
     seqs = rec["sequences"]
     if isinstance(seqs, list) and seqs and all(isinstance(t, int) and not isinstance(t, bool) for t in seqs):
         seqs = [seqs]  # one sequence, not nested
@@ -205,7 +206,7 @@ def split_sequences(rec: dict, where: str) -> tuple[list[list[int]], list[int], 
                 raise UserError(f"{where}: sequences[{k}] has another prompt than sequences[0]")
     else:
         raise UserError(f"{where}: lacks 'prompt_token_ids' (or 'prompt_length') to split 'sequences'")
-    return [s[len(prompt):] for s in seqs], prompt, None
+    return [s[len(prompt):] for s in seqs], prompt
 
 
 def token_list(value, where: str, allow_empty: bool = False) -> list[int]:
@@ -239,8 +240,7 @@ def resolve(gens: list[Generation], model, path: Path) -> None:
                 g.output = g.output[:first + 1]
 
 
-def pair_with_reference(gens: list[Generation], refs: list[Generation], ref_path: Path
-                        ) -> tuple[dict[str, Generation | None], str]:
+def pair_with_reference(gens: list[Generation], refs: list[Generation]) -> tuple[dict[str, Generation | None], str]:
     """Each generation's counterpart: by id when both files name every record, else by position."""
     if all(g.explicit_id for g in gens + refs):
         by_id = {r.id: r for r in refs}
@@ -496,7 +496,7 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     pairs, matched_by = None, None
     if refs is not None:
         resolve(refs, model, opts.reference)
-        pairs, matched_by = pair_with_reference(gens, refs, opts.reference)
+        pairs, matched_by = pair_with_reference(gens, refs)
         check_same_prompts(gens, pairs, opts.reference, path)
     n = opts.max_new_tokens or max(len(g.output) for g in gens)
     if n < 1:

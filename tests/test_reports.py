@@ -502,7 +502,6 @@ def test_synthetic_run_draws_every_figure(tmp_path):
     assert summary["first_divergence"]["position"] == div["position"]
     assert rows["Exact"].startswith("**NO**: 1 of 5 prompts")
     assert rows["Score"].startswith("**0.000**") and "FAIL" in rows["Score"]
-    meds = raw_medians(records)
     median_ratio = statistics.median(raw_ratios(records).values())
     assert first_number(rows["Median ratio"]) == pytest.approx(median_ratio, abs=5e-4)
     assert summary["median_ratio"]["candidate"] == pytest.approx(median_ratio, rel=1e-12)
