@@ -40,11 +40,12 @@ def render_cmd(run_dir: Path, debug: bool):
     into draft/verify/rollback/other (when recorded).
 
     Without RUN_DIR/audit.json, or with one made from a different stream (its stream_sha256 does
-    not match), the report says NOT AUDITED at the top. A token audit (audit_tokens.json, from
-    `audit tokens`) adds a section: per-generation exactness and a histogram of the divergence
-    margins; a directory holding only audit_tokens.json gets that report alone. The decoders'
-    full configurations are in an appendix. Bad or incomplete input is one line
+    not match), the report says NOT AUDITED at the top. Bad or incomplete input is one line
     'error: ...' and exit status 2; nothing is written unless the whole report renders.
+
+    A token audit (audit_tokens.json, from `audit tokens`) adds a section: per-generation
+    exactness and a histogram of the divergence margins; a directory holding only
+    audit_tokens.json gets that report alone. The decoders' full configurations are in an appendix.
     """
     from reports.render import render_run
 
