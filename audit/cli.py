@@ -156,7 +156,10 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
               help="torch device. Default: the recording device's type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
               help="Retime even on a device other than the recording one (a warning, not a refusal).")
-def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch):
+@click.option("--trust-plugin", is_flag=True,
+              help="Run a plug-in decoder (package.module:attr) that the stream names: its code runs in a worker.")
+def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch,
+               trust_plugin):
     """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
@@ -170,7 +173,8 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
-                         model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch)
+                         model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
+                         trust_plugin=trust_plugin)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:

@@ -83,6 +83,7 @@ class RetimeOptions:
     model: str | None = None
     device: str | None = None
     allow_device_mismatch: bool = False
+    trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
 
 
 @dataclass
@@ -164,9 +165,64 @@ def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: ran
 # --------------------------------------------------------------------------- workers
 
 
-def worker_command(spec: str, args: dict, model_spec: str, device: str) -> list[str]:
-    return [sys.executable, "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
-            "--decoder", spec, "--decoder-args", json.dumps(args)]
+@dataclass(frozen=True)
+class Side:
+    """A decoder as the stream recorded it: how ``harness time`` was told to build it."""
+
+    role: str
+    spec: str  # a registered name, or package.module:attr (a plug-in)
+    args: dict  # constructor arguments as recorded (header ``args``)
+    raw_args: tuple[str, ...] = ()  # KEY=VALUE from the header's command line, when ``args`` is absent
+
+    @property
+    def plugin(self) -> bool:
+        return ":" in self.spec
+
+    def command(self, model_spec: str, device: str) -> list[str]:
+        return [sys.executable, "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
+                "--decoder", self.spec, "--decoder-args", json.dumps(self.args),
+                *(f"--decoder-arg={a}" for a in self.raw_args)]
+
+    def describe(self) -> str:
+        return " ".join([self.spec] + ([json.dumps(self.args)] if self.args else []) + list(self.raw_args))
+
+
+def command_decoder_args(command) -> tuple[str, ...]:
+    """``--decoder-arg`` values of a recorded ``harness time`` command line."""
+    if not isinstance(command, list):
+        return ()
+    out = []
+    for i, word in enumerate(command):
+        if word == "--decoder-arg" and i + 1 < len(command) and isinstance(command[i + 1], str):
+            out.append(command[i + 1])
+        elif isinstance(word, str) and word.startswith("--decoder-arg="):
+            out.append(word.partition("=")[2])
+    return tuple(out)
+
+
+def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
+    """The control and the candidate as recorded. The candidate's arguments come from the header's
+    ``args``, else from its command line. A plug-in is code the stream names: it runs only with
+    ``trust_plugins``."""
+    if header["candidate"].get("instrument") is True:
+        raise BadInput(f"the candidate {header['candidate']['name']!r} is an instrument, never scored: "
+                       "there is no speed claim to retime")
+    sides = []
+    for role in ROLES:
+        entry = header[role]
+        spec = entry.get("spec") if entry.get("spec") is not None else entry["name"]
+        args = entry.get("args")
+        if not isinstance(spec, str) or not spec:
+            raise BadInput(f"header {role} spec must be a non-empty string, not {spec!r}")
+        if args is not None and not isinstance(args, dict):
+            raise BadInput(f"header {role} args must be an object, not {args!r}")
+        raw = command_decoder_args(header.get("command")) if role == "candidate" and args is None else ()
+        side = Side(role, spec, args or {}, raw)
+        if side.plugin and not trust_plugins:
+            raise BadInput(f"the {role} is the plug-in {spec!r}: retiming runs its code; pass --trust-plugin "
+                           "if you trust it")
+        sides.append(side)
+    return sides
 
 
 class Worker:
@@ -270,19 +326,13 @@ def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_t
         out.append(p)
 
 
-def start_workers(header: dict, model_spec: str, device: str) -> dict[str, Worker]:
+def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, Worker]:
     """Both sides cold, in processes of their own; the candidate with its recorded arguments."""
-    sides = {}
-    for role in ROLES:
-        entry = header[role]
-        spec = entry.get("spec") or entry["name"]
-        args = entry.get("args") if isinstance(entry.get("args"), dict) else {}
-        sides[role] = (spec, args)
     workers = {}
     try:
-        for role, (spec, args) in sides.items():
-            log(f"starting the {role}'s worker: {spec} {json.dumps(args) if args else ''}".rstrip())
-            workers[role] = Worker(role, worker_command(spec, args, model_spec, device))
+        for side in sides:
+            log(f"starting the {side.role}'s worker: {side.describe()}")
+            workers[side.role] = Worker(side.role, side.command(model_spec, device))
         for w in workers.values():
             w.wait_ready()
     except BaseException:
@@ -400,6 +450,7 @@ def retime(opts: RetimeOptions) -> int:
     path = resolve_stream_path(opts.stream)
     out_path = check_out_path(opts.out or path.parent / "retime.json", path)
     run = load_run(path)
+    sides = recorded_sides(run.header, opts.trust_plugin)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     seed = stream_seed(sha)
     dev = choose_device(opts.device, run.header["device"])
@@ -416,7 +467,7 @@ def retime(opts: RetimeOptions) -> int:
     warmup = min(warmup, n) if checks.is_int(warmup) and warmup >= 0 else min(8, n)
     log(f"retiming {run.header['candidate']['name']} vs {run.header['control']['name']} on {k} fresh prompts "
         f"x {opts.legs} legs, N={n}, {dev}: {how}")
-    workers = start_workers(run.header, model_spec, dev)
+    workers = start_workers(sides, model_spec, dev)
     timed = []
     try:
         time_fresh(workers, fresh, n, opts.legs, warmup, timed)

@@ -95,7 +95,11 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
     assert result.exit_code == 0, result.output
     assert doc["exact"] and doc["median_ratio"] > 5 and doc["score"] > 0.5  # looks like a great decoder
 
-    result, doc = run_retime(stream)
+    result, _ = run_retime(stream)  # the stream names code: it runs only when trusted
+    assert result.exit_code == 2 and "--trust-plugin" in result.stderr
+    assert not (stream.parent / "retime.json").exists()
+
+    result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
     assert findings(doc, "ratio-not-reproduced") and all(e["exact"] for e in doc["prompts"])
     assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
@@ -108,3 +112,60 @@ def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
     assert result.exit_code == 2 and "is a directory" in result.stderr and list(outdir.iterdir()) == []
     result, doc = run_retime(tmp_path / "missing.jsonl")
     assert result.exit_code == 2 and doc is None and result.stderr.startswith("error:")
+
+
+def test_recorded_sides_and_their_arguments():
+    from audit.retime import recorded_sides
+    from audit.stream import BadInput
+
+    header = {"control": {"name": "serial"}, "candidate": {"name": "spec", "spec": "spec", "args": {"depth": 3}},
+              "command": ["harness", "time", "--decoder-arg", "depth=2"]}
+    control, candidate = recorded_sides(header, trust_plugins=False)
+    assert (control.spec, control.args, candidate.spec, candidate.args, candidate.raw_args) == \
+        ("serial", {}, "spec", {"depth": 3}, ())
+    # no recorded args: the command line's --decoder-arg values go to the worker as they were given
+    del header["candidate"]["args"]
+    header["command"] += ["--decoder-arg=max_depth=4"]
+    candidate = recorded_sides(header, trust_plugins=False)[1]
+    assert candidate.raw_args == ("depth=2", "max_depth=4")
+    assert candidate.command("tiny", "cpu")[-2:] == ["--decoder-arg=depth=2", "--decoder-arg=max_depth=4"]
+    with pytest.raises(BadInput, match="--trust-plugin"):
+        recorded_sides({**header, "candidate": {"name": "x", "spec": "os:system"}}, trust_plugins=False)
+    with pytest.raises(BadInput, match="instrument"):
+        recorded_sides({**header, "candidate": {"name": "spec-instrument", "instrument": True}}, trust_plugins=True)
+
+
+@pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids"),
+                                         ("builtin:stdlib-heldout", "other snippets of the heldout split")])
+def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path, source, how):
+    from audit.retime import fresh_prompts
+    from audit.stream import load_run
+    from core.models import load_model
+    from core.prompts import corpus_prompts
+
+    copy = tmp_path / "stream.jsonl"
+    records = [json.loads(line) for line in fast_serial_stream.read_text().splitlines()]
+    records[0]["prompts"]["source"] = source
+    copy.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run, model = load_run(copy), load_model("tiny", "cpu")
+    fresh, said = fresh_prompts(run, model, 3, 12345)
+    assert how in said
+    lengths = {p.id: len(p.token_ids) for p in run.prompts}
+    assert [len(p.token_ids) for p in fresh] == [lengths[p.mirrors] for p in fresh]
+    if source.endswith("heldout"):  # none is the start of one of the set's own snippets
+        tok = model.tokenizer.get()
+        own = [tok.encode(e["text"]) for e in corpus_prompts("heldout", 10)]
+        assert not any(ids[:len(p.token_ids)] == p.token_ids for p in fresh for ids in own)
+
+
+def test_worker_that_cannot_start_is_bad_input(fast_serial_stream, tmp_path):
+    from audit_helpers import copy_stream, read_records, write_records
+
+    stream = copy_stream(fast_serial_stream, tmp_path / "unknown")
+    records = read_records(stream)
+    records[0]["candidate"]["spec"] = "no-such-decoder"
+    write_records(stream, records)
+    result, doc = run_retime(stream)
+    assert result.exit_code == 2 and doc is None
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: retime could not start") and "no-such-decoder" in lines[-1]
