@@ -9,15 +9,15 @@ record the allocator's peak. Every raw value goes to the stream; the ratio of a 
 candidate's first leg (``core.schema.prompt_ratio``), so its first encounter with the prompt.
 
 In-process integrity: ``Watch`` notes, when the run begins, the determinism settings, the default
-dtype, the clock and its ``time.perf_counter``, this module's timing functions, the torch calls
-they rest on, and the control decoder's class and bound ``decode``; it re-reads them after both
-decoders' ``prepare()``, after each warm-up and after every leg, and each change becomes a
-``violation`` record, which fails the audit.
+dtype, the clock and its ``time.perf_counter``, the functions and classes of the harness and of
+the stream's writer, the torch calls they rest on, and the control decoder's class and bound
+``decode``. It re-reads them after both decoders' ``prepare()``, after each warm-up and after
+every leg; each change becomes a ``violation`` record, which fails the audit.
 
 What a decoder sharing this process can still do: change something inside its own decode and
-restore it before returning, reach the checker itself or state no identity check sees (the
-shared model's modules, a library's internals), and precompute answers for any prompt set it can
-load by itself (the built-in sets). The answer to all of that is ``audit retime``: fresh prompts
+restore it before returning; reach the checker itself, or state no identity check sees (the
+shared model's modules, a library's internals, objects already bound in a running frame); and
+precompute answers for any prompt set it can load by itself (the built-in sets). The answer to all of that is ``audit retime``: fresh prompts
 the stream never held, the candidate and the control each in a process of its own, timed by the
 audit's clock.
 """
@@ -98,11 +98,12 @@ def warmup_ids(seed: int, index: int, length: int, vocab_size: int, prompt_ids: 
 
 # --------------------------------------------------------------------------- in-process integrity
 
-# module:attribute paths whose objects the timing rests on, re-resolved at every check
-WATCHED = ("time:perf_counter", "harness.timing:timed_decode", "harness.timing:synchronize",
-           "harness.timing:time_prompt", "harness.timing:Clock", "torch.cuda:synchronize",
-           "torch.cuda:reset_peak_memory_stats", "torch.cuda:max_memory_allocated",
-           "core.determinism:current", "core.determinism:differences")
+# module:attribute paths of single objects the timing rests on, re-resolved at every check
+WATCHED = ("time:perf_counter", "torch.cuda:synchronize", "torch.cuda:reset_peak_memory_stats",
+           "torch.cuda:max_memory_allocated")
+# modules whose every function and class (and each of their classes' attributes) the timing and
+# the writing of the stream rest on; a module not loaded is skipped
+WATCHED_MODULES = ("harness.timing", "harness.cli", "core.schema", "core.determinism")
 
 
 def resolve(path: str):
@@ -115,6 +116,20 @@ def class_attributes(cls: type) -> dict[tuple[str, str], object]:
     return {(klass.__qualname__, name): value for klass in cls.__mro__[:-1] for name, value in vars(klass).items()}
 
 
+def module_objects() -> dict[str, object]:
+    """By dotted name: every callable of the watched modules, and every attribute of the classes
+    they define."""
+    out = {}
+    for name in WATCHED_MODULES:
+        module = sys.modules.get(name)
+        for attr, value in (vars(module).items() if module is not None else ()):
+            if callable(value):
+                out[f"{name}.{attr}"] = value
+            if isinstance(value, type) and value.__module__ == name:
+                out.update({f"{name}.{k[0]}.{k[1]}": v for k, v in class_attributes(value).items()})
+    return out
+
+
 class Watch:
     """What a run's timing rests on, as it was when the run began. ``check(at)`` returns a
     violation record for every change since, each problem once."""
@@ -125,6 +140,7 @@ class Watch:
         self.clock = clock
         self.clock_state = (type(clock), clock.origin, clock.counter, Clock.now)
         self.objects = {path: resolve(path) for path in WATCHED}
+        self.modules = module_objects()
         self.control = None
         self.control_state = None
         self.reported: set[str] = set()
@@ -145,6 +161,9 @@ class Watch:
         for path, obj in self.objects.items():
             if resolve(path) is not obj:
                 out.append(f"{path.replace(':', '.')} was replaced")
+        now = module_objects()
+        out += [f"{name} was replaced" for name in sorted(now.keys() | self.modules.keys())
+                if now.get(name) is not self.modules.get(name)]
         own = self.clock
         if (type(own), own.origin, own.counter, Clock.now) != self.clock_state:
             out.append("the run's clock was altered")

@@ -15,6 +15,7 @@ Attacks on the timing from inside the harness's process (tests/test_timing_integ
   Unpinned            prepare() turns deterministic algorithms off and TF32 on
   Float64Default      prepare() makes float64 the default dtype
   PatchesClock        prepare() replaces time.perf_counter with a slower one
+  RewritesLegs        prepare() makes the stream's writer cut its legs to a quarter as they are written
 
 Each is built the way a real shortcut would be, not rigged to trip a particular check.
 """
@@ -332,3 +333,19 @@ class PatchesClock(Tampers):
         real = time.perf_counter
         start = real()
         time.perf_counter = lambda: start + (real() - start) / 2
+
+
+class RewritesLegs(Tampers):
+    name = "rewrites-legs"
+
+    def tamper(self) -> None:
+        from core.schema import AtomicJsonlWriter
+
+        real = AtomicJsonlWriter.write
+
+        def write(writer, record):
+            if record.get("type") == "leg" and record.get("role") == "candidate":
+                record = {**record, "wall_s": record["wall_s"] / 4, "t_end": record["t_start"] + record["wall_s"] / 4}
+            real(writer, record)
+
+        AtomicJsonlWriter.write = write

@@ -15,6 +15,7 @@ import torch
 import bad_decoders
 from audit_helpers import findings, read_records, run_audit, run_harness
 from core import determinism
+from core.schema import AtomicJsonlWriter
 from decoders.serial import SerialDecoder
 from harness import timing
 
@@ -27,6 +28,7 @@ def restore(monkeypatch):
     monkeypatch.setattr(SerialDecoder, "decode", SerialDecoder.decode)
     monkeypatch.setattr(harness.timing, "timed_decode", harness.timing.timed_decode)
     monkeypatch.setattr(time, "perf_counter", time.perf_counter)
+    monkeypatch.setattr(AtomicJsonlWriter, "write", AtomicJsonlWriter.write)
     dtype = torch.get_default_dtype()
 
     def undo():
@@ -122,6 +124,7 @@ def test_spec_instrument_still_gets_its_oracle(tmp_path):
     ("Unpinned", "determinism setting deterministic_algorithms: recorded True, now False"),
     ("Float64Default", "default dtype is torch.float64, the run began with torch.float32"),
     ("PatchesClock", "time.perf_counter was replaced"),
+    ("RewritesLegs", "core.schema.AtomicJsonlWriter.write was replaced"),
 ])
 def test_tampering_in_prepare_is_a_violation(tmp_path, restore, decoder, problem):
     stream = run_harness(tmp_path / "run", f"bad_decoders:{decoder}", limit=1, n=6, legs=1)
