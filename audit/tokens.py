@@ -32,7 +32,7 @@ import click
 import jsonlines
 import torch
 
-from core import determinism
+from core import determinism, dist
 from core.errors import UserError
 from core.models import device_name, load_model
 from core.schema import write_json_atomic
@@ -483,6 +483,8 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     from audit.pipeline import pin_replay_environment  # determinism.pin() before the model touches CUDA
 
     pin_replay_environment()
+    if dist.topology().active:
+        raise UserError("audit tokens runs in one process; launch it without torchrun")
     path = Path(opts.file)
     out_path = Path(opts.out) if opts.out else path.parent / DEFAULT_NAME
     gens = read_generations(path, opts.limit)

@@ -12,12 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from audit_helpers import run_harness
 from click.testing import CliRunner
 
 from audit.cli import main as audit_main
 from audit.replay import PristineSerial, greedy_and_top
 from audit.tokens import TIE_ULPS, ulp
+from core.models import load_model
+from reports.cli import main as reports_main
+from reports.render import render_run
 
 N = 16
 # on `small`, greedy decoding emits an EOS right after this prompt (found from its pristine logits)
@@ -70,8 +74,6 @@ def tiny_prompts(tiny):
 
 @pytest.fixture(scope="module")
 def small():
-    from core.models import load_model
-
     return load_model("small", "cpu")
 
 
@@ -146,13 +148,11 @@ def test_near_tie_and_real_divergence_by_margin(tiny_prompts, tmp_path):
     # the default tolerance: TIE_ULPS ulps of bf16 at the top-1 logit
     _, doc = audit_tokens(path, "tiny")
     tie = {g["id"]: g for g in doc["generations"]}[lo_pid]["first_divergence"]
-    assert tie["tolerance"] == TIE_ULPS * ulp(tie["top5"][0][1], __import__("torch").bfloat16)
+    assert tie["tolerance"] == TIE_ULPS * ulp(tie["top5"][0][1], torch.bfloat16)
     assert tie["class"] == ("near-tie" if lo <= tie["tolerance"] else "real")
 
 
 def test_ulp_is_bf16_spacing():
-    import torch
-
     assert ulp(1.0, torch.bfloat16) == 2 ** -7
     assert ulp(1.99, torch.bfloat16) == 2 ** -7
     assert ulp(-12.0, torch.bfloat16) == 2 ** -4  # [8, 16): 8 * 2^-7
@@ -225,7 +225,6 @@ def test_small_default_tolerance_tells_ties_from_real(small, small_walks, tmp_pa
     """On `small`, with the default (bf16 ulp) tolerance: a flip where the pristine margin is within
     it is a near-tie, a flip at the largest margin is real; the reference (the unflipped outputs)
     shows where speculation changed a greedy output."""
-    import torch
 
     prompts, walks = small_walks
     tol = {(pid, i): TIE_ULPS * ulp(w["top1"], torch.bfloat16) for pid in walks for i, w in enumerate(walks[pid])}
@@ -311,8 +310,6 @@ def test_running_past_eos_is_caught(small, tmp_path):
 
 
 def test_reports_render_shows_a_tokens_audit(tiny_prompts, tmp_path):
-    from reports.cli import main as reports_main
-
     prompts, _, walks = tiny_prompts
     recs = []
     for k, pid in enumerate(prompts):
@@ -355,3 +352,20 @@ def test_stream_export_audits_exact(tmp_path):
     result, doc = audit_tokens(out, "tiny", "-n", "12")
     assert result.exit_code == 0, result.output
     assert doc["verdict"] == "exact" and [g["id"] for g in doc["generations"]] == [r["id"] for r in records]
+
+    # beside a stream, the token audit is a section of the run's report (after the run's own)
+    render_run(stream.parent)
+    report = (stream.parent / "report.md").read_text()
+    assert report.startswith("# Run report:") and "## Appendix: decoder configurations" in report
+    assert report.index("## Appendix") < report.index("## Token audit")
+    assert "| Verdict | **EXACT** |" in report and "No generation diverged on a token" in report
+    assert not (stream.parent / "figures" / "token_margins.png").exists()
+
+
+def test_refused_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    path = write_jsonl(tmp_path / "g.jsonl", [{"prompt_token_ids": [1], "output_token_ids": [2]}])
+    result, doc = audit_tokens(path, "tiny")
+    assert result.exit_code == 2 and "without torchrun" in result.output and doc is None
