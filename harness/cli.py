@@ -279,6 +279,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     from harness.timing import Clock, Watch, warmup_ids  # imports torch: loads only when a command runs
 
     log = log or (lambda message: click.echo(message, err=True))
+    check_prompt_set(opts.prompts)
     clock = Clock.start()
     watch = Watch(settings, clock)
     control = get_decoder(opts.control)
@@ -289,7 +290,8 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     model = load_model(opts.model, opts.device)
     dev = model.device
     max_new_tokens = opts.max_new_tokens or (512 if dev.type == "cuda" else 64)
-    # both decoders are prepared before the prompt set is loaded: prepare() cannot read it from here
+    # both decoders are prepared before the prompt set is loaded, so prepare() cannot find the
+    # run's prompts in this process
     resident = {role: resident_bytes(dec, model, dev) for role, dec in (("control", control), ("candidate", candidate))}
     violations = watch.check("after prepare")
     prompts, prompt_info = load_prompts(opts.prompts, model, opts.limit)
@@ -298,6 +300,17 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     torch.manual_seed(opts.seed)
     return Setup(control, candidate, kwargs, model, dev, max_new_tokens, prompts, prompt_info, warmups, resident,
                  clock, watch, violations)
+
+
+def check_prompt_set(spec: str | None) -> None:
+    """A prompt set that cannot exist is refused before the model loads and the decoders are
+    prepared; the set itself is loaded after them."""
+    from core.prompts import BUILTIN_PROMPTS, parse_corpus_spec  # imports torch: loads only when a command runs
+
+    if spec is None or spec in BUILTIN_PROMPTS or parse_corpus_spec(spec) is not None or Path(spec).is_file():
+        return
+    raise UserError(f"prompt file {spec!r} not found, and {spec!r} is not a built-in prompt set "
+                    f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
 
 
 def device_json(dev) -> dict:

@@ -279,6 +279,16 @@ def test_out_naming_a_file_is_refused_before_the_model_loads(tmp_path):
     assert target.read_text() == "mine\n"
 
 
+def test_missing_prompt_file_is_refused_before_the_model_loads(tmp_path):
+    """The prompts load after both decoders are prepared; a set that cannot exist fails first."""
+    out = tmp_path / "run"
+    result = invoke([*time_args(out, "serial"), "--prompts", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: prompt file ") and "not found" in line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("decoder,arg,needles", [
     ("spec", "bogus=1", ("decoder 'spec' takes no argument 'bogus'", "its arguments: ", "max_depth=")),
     ("serial", "depth=2", ("decoder 'serial' takes no argument 'depth'", "its arguments: none")),
