@@ -5,12 +5,23 @@
                                [--shortlist FILE] [--table-only]
 
 Each configuration is one `harness time` run (candidate vs the serial control, side by side in one
-process) followed by `audit replay` of its stream, in DIR/<config>/. The table is built from the
-audits (ratios recomputed from raw legs, exactness by replay) and the streams (mean accepted
-length, peak memory). "vs fast-serial" comes from NAME@fs runs, where the candidate is timed side by
-side against fast-serial (`harness time --control fast-serial`; still audited for exactness
-against serial greedy decoding, not scored); without one it is the ratio of the two ratios against
-serial, measured in different processes, and marked so.
+process) followed by `audit replay` of its stream, in DIR/<config>/ (':' and '/' in a name become
+'_'). The table is built from the audits (ratios recomputed from raw legs, exactness by replay) and
+the streams (mean accepted length, acceptance by depth, peak memory). "vs fast-serial" comes from
+NAME@fs runs, where the candidate is timed side by side against fast-serial (`harness time
+--control fast-serial`; still audited for exactness against serial greedy decoding, not scored);
+without one it is the ratio of the two ratios against serial, measured in different processes,
+and marked so.
+
+Configuration names:
+  fast-serial, spec-naive, spec, inst-A      a decoder (inst-A: the instrument at alpha A)
+  inst-trace:FILE                            the instrument replaying an acceptance trace
+                                             (python -m decoders.trace ... --out FILE)
+  small:NAME                                 NAME on the built-in `small` and its held-out prompts
+                                             (on a GPU: its real head's acceptance), whatever --model
+  NAME@fs                                    NAME timed side by side against fast-serial
+For the acceptance curve of one model on a GPU, e.g.:
+    --configs fast-serial,inst-0.6,inst-0.85,inst-0.95,inst-trace:small-trace.json,spec,small:fast-serial,small:spec,small:spec@fs,inst-trace:small-trace.json@fs
 Configurations can be run in several calls (a GPU call is limited to 10 minutes); --table-only
 prints the table from whatever is in DIR.
 """
@@ -33,16 +44,43 @@ BASE = {
 }
 SHORTLISTED = {"spec", "inst-0.6", "inst-0.85", "inst-0.95"}
 # NAME@fs: the same candidate timed side by side against fast-serial (harness time --control)
-CONFIGS = {**BASE, **{f"{n}@fs": [*BASE[n], "--control", "fast-serial"] for n in BASE if n in SHORTLISTED}}
 DEFAULT_CONFIGS = [*BASE, *(f"{n}@fs" for n in sorted(SHORTLISTED))]
+TRACE = "inst-trace:"
+SMALL = "small:"  # the built-in small model, on its held-out prompts
+SMALL_PROMPTS = "stdlib-heldout"
+
+
+def resolve(name: str) -> dict | None:
+    """A configuration name as harness arguments: {"args", "model", "prompts", "shortlisted"};
+    model and prompts are None where --model / --prompts apply. None for an unknown name."""
+    base, fs = (name[:-3], True) if name.endswith("@fs") else (name, False)
+    model = prompts = None
+    if base.startswith(SMALL):
+        base, model, prompts = base[len(SMALL):], "small", SMALL_PROMPTS
+    if base.startswith(TRACE) and len(base) > len(TRACE):
+        args = ["--decoder", "spec-instrument", "--decoder-arg", f"trace={base[len(TRACE):]}"]
+    elif base in BASE:
+        args = list(BASE[base])
+    else:
+        return None
+    if fs:
+        args += ["--control", "fast-serial"]
+    # a shortlist given on the command line belongs to --model: small's drafts keep their own
+    shortlisted = model is None and (base in SHORTLISTED or base.startswith(TRACE))
+    return {"args": args, "model": model, "prompts": prompts, "shortlisted": shortlisted}
+
+
+def run_dir(out: Path, name: str) -> Path:
+    return out / name.replace("/", "_").replace(":", "_")
 
 
 def run_config(name: str, args) -> int:
-    out = args.out / name
-    cmd = [sys.executable, "-m", "harness.cli", "time", *CONFIGS[name], "--model", args.model,
-           "--prompts", args.prompts, "--limit", str(args.limit), "-n", str(args.max_new_tokens),
+    cfg = resolve(name)
+    out = run_dir(args.out, name)
+    cmd = [sys.executable, "-m", "harness.cli", "time", *cfg["args"], "--model", cfg["model"] or args.model,
+           "--prompts", cfg["prompts"] or args.prompts, "--limit", str(args.limit), "-n", str(args.max_new_tokens),
            "--legs", str(args.legs), "--out", str(out), "--force"]
-    if args.shortlist and name.split("@")[0] in SHORTLISTED:
+    if args.shortlist and cfg["shortlisted"]:
         cmd += ["--decoder-arg", f"shortlist={args.shortlist}"]
     print("$", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
@@ -53,8 +91,8 @@ def run_config(name: str, args) -> int:
     return subprocess.call(audit)
 
 
-def row(name: str, run_dir: Path) -> dict | None:
-    audit_path, stream_path = run_dir / "audit.json", run_dir / "stream.jsonl"
+def row(name: str, where: Path) -> dict | None:
+    audit_path, stream_path = where / "audit.json", where / "stream.jsonl"
     if not audit_path.is_file() or not stream_path.is_file():
         return None
     audit = json.loads(audit_path.read_text())
@@ -68,11 +106,16 @@ def row(name: str, run_dir: Path) -> dict | None:
                 per_prompt.setdefault(r["prompt_id"], []).append(1e3 * r["wall_s"] / len(r["tokens"]))
         return statistics.median(statistics.median(v) for v in per_prompt.values())
 
-    lengths = [r["stats"].get("mean_accepted_length") for r in legs if r["role"] == "candidate"]
+    cand = [r for r in legs if r["role"] == "candidate"]
+    lengths = [r["stats"].get("mean_accepted_length") for r in cand]
     lengths = [x for x in lengths if x is not None]
     mem = audit.get("memory", {})
     return {
         "config": name,
+        "model": (header.get("model") or {}).get("name", "?"),
+        "candidate": (header.get("candidate") or {}).get("name"),
+        "against": (header.get("control") or {}).get("name"),
+        "by_depth": acceptance_by_depth(cand),
         "gpu": (header.get("device", {}).get("uuid") or "?").removeprefix("GPU-")[:8],
         "control_ms": ms_per_token("control"),
         "candidate_ms": ms_per_token("candidate"),
@@ -86,42 +129,64 @@ def row(name: str, run_dir: Path) -> dict | None:
     }
 
 
+def acceptance_by_depth(legs: list[dict]) -> list[float]:
+    """Over every round of the candidate's legs, per depth k: the share of rounds that drafted k
+    or more drafts whose first k were all accepted (decoders.base.DecodeStats)."""
+    drafted, accepted = [], []
+    for leg in legs:
+        st = leg.get("stats") or {}
+        for k, (d, a) in enumerate(zip(st.get("drafted_by_depth") or [], st.get("accepted_by_depth") or [])):
+            while len(drafted) <= k:
+                drafted.append(0)
+                accepted.append(0)
+            drafted[k] += d
+            accepted[k] += a
+    return [a / d for a, d in zip(accepted, drafted) if d]
+
+
 def accepted_and_exact(r: dict) -> tuple[str, str]:
-    """The mean-accepted-length and audit cells of a row."""
+    """The mean-accepted-length (with acceptance by depth) and audit cells of a row."""
     mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+    if r.get("by_depth"):
+        mal += " (" + " ".join(f"{a:.2f}" for a in r["by_depth"]) + ")"
     return mal, ("yes" if r["exact"] else "NO") + (" (instrument)" if r["instrument"] else "")
 
 
 def print_table(rows: list[dict]) -> None:
     """One line per candidate vs serial; "vs fast-serial" is the side-by-side NAME@fs run where
-    there is one, else (marked ~) the ratio of the two ratios against serial."""
-    base = next((r["ratio"] for r in rows if r["config"] == "fast-serial"), None)
-    fs_runs = [r for r in rows if r["config"].endswith("@fs")]
-    side = {r["config"].split("@")[0]: r["ratio"] for r in fs_runs}
-    rows = [r for r in rows if not r["config"].endswith("@fs")]
+    there is one, else (marked ~) the ratio of the two ratios against serial, with the
+    fast-serial run of the same model."""
+    base = {r["model"]: r["ratio"] for r in rows if r["candidate"] == "fast-serial" and r["against"] == "serial"}
+    fs_runs = [r for r in rows if r["against"] == "fast-serial"]
+    side = {r["config"].removesuffix("@fs"): r["ratio"] for r in fs_runs}
+    rows = [r for r in rows if r["against"] != "fast-serial"]
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-    print("\n| config | GPU | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of ratios) | "
-          "peak GiB (ctl / cand) | mean acc. len | exact (audit) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | model | GPU | control ms/tok | ms/tok | vs control | vs fast-serial (side by side; ~ = ratio of "
+          "ratios) | peak GiB (ctl / cand) | mean acc. len (acceptance by depth, cum.) | exact (audit) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     timed = [r for r in rows if r["control_ms"] is not None]
     if timed:  # the control's own row: its legs pooled over every configuration's run
         ctl_ms = statistics.median(r["control_ms"] for r in timed)
         peak = max((r["control_peak"] for r in timed if r["control_peak"] is not None), default=None)
         gpus = ", ".join(sorted({r["gpu"] for r in timed}))
-        print(f"| serial (control, {len(timed)} runs) | {gpus} | {ctl_ms:.2f} | {ctl_ms:.2f} | 1.00x | "
-              f"{'-' if base is None else f'~{1 / base:.2f}x'} | {gib(peak)} / - | - | (defines exact) |")
+        models = ", ".join(sorted({r["model"] for r in timed}))
+        print(f"| serial (control, {len(timed)} runs) | {models} | {gpus} | {ctl_ms:.2f} | {ctl_ms:.2f} | 1.00x | "
+              f"{'-' if len(base) != 1 or None in base.values() else f'~{1 / next(iter(base.values())):.2f}x'} | "
+              f"{gib(peak)} / - | - | (defines exact) |")
     for r in rows:
+        fast = base.get(r["model"])
         if r["config"] in side and side[r["config"]] is not None:
             vs_fast = f"{side[r['config']]:.2f}x"
         else:
-            vs_fast = "-" if base is None or r["ratio"] is None else f"~{r['ratio'] / base:.2f}x"
+            vs_fast = "-" if fast is None or r["ratio"] is None else f"~{r['ratio'] / fast:.2f}x"
         mal, exact = accepted_and_exact(r)
-        print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} | {r['candidate_ms']:.2f} | {r['ratio']:.2f}x | {vs_fast} | "
-              f"{gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
+        print(f"| {r['config']} | {r['model']} | {r['gpu']} | {r['control_ms']:.2f} | {r['candidate_ms']:.2f} | "
+              f"{r['ratio']:.2f}x | {vs_fast} | {gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
     for r in fs_runs:  # the side-by-side runs themselves: their reference is fast-serial, not serial
         mal, exact = accepted_and_exact(r)
-        print(f"| {r['config']} | {r['gpu']} | {r['control_ms']:.2f} (fast-serial) | {r['candidate_ms']:.2f} | - | "
-              f"{r['ratio']:.2f}x | {gib(r['control_peak'])} / {gib(r['candidate_peak'])} | {mal} | {exact} |")
+        print(f"| {r['config']} | {r['model']} | {r['gpu']} | {r['control_ms']:.2f} (fast-serial) | "
+              f"{r['candidate_ms']:.2f} | - | {r['ratio']:.2f}x | {gib(r['control_peak'])} / {gib(r['candidate_peak'])} | "
+              f"{mal} | {exact} |")
 
 
 def main() -> int:
@@ -139,16 +204,26 @@ def main() -> int:
                     help="time only; audit later, e.g. every stream at once: audit replay DIR/*/stream.jsonl")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in names if c not in CONFIGS]
+    unknown = [c for c in names if resolve(c) is None]
     if unknown:
-        print(f"error: unknown configs {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
+        print(f"error: unknown configs {unknown}; known: {', '.join(BASE)}, {TRACE}FILE, {SMALL}NAME, "
+              "each also as NAME@fs", file=sys.stderr)
+        return 2
+    missing = [c for c in names if c.removeprefix(SMALL).startswith(TRACE)
+               and not Path(c.removeprefix(SMALL).removesuffix("@fs")[len(TRACE):]).is_file()]
+    if missing and not args.table_only:
+        print(f"error: no trace file for {missing}", file=sys.stderr)
         return 2
     failed = []
     if not args.table_only:
         for name in names:
             if run_config(name, args) not in (0, 1):  # 1 = audit findings: still tabulated
                 failed.append(name)
-    rows = [r for r in (row(n, args.out / n) for n in CONFIGS) if r is not None]
+    # every run in DIR, labelled by its directory: this call's configurations first, in their order
+    order = [run_dir(args.out, n).name for n in names]
+    dirs = sorted((d for d in args.out.iterdir() if d.is_dir()) if args.out.is_dir() else [],
+                  key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
+    rows = [r for r in (row(d.name, d) for d in dirs) if r is not None]
     print_table(rows)
     if failed:
         print(f"failed to run: {', '.join(failed)}", file=sys.stderr)

@@ -22,7 +22,8 @@ REGISTRY: dict[str, tuple[str, str]] = {
              "rollback from captured state (args: max_depth, depth, shortlist, explore_every, head)"),
     "spec-instrument": ("decoders.spec:InstrumentedSpecDecoder",
                         "benchmark instrument: spec with drafts replaced by the control's token with "
-                        "probability alpha (arg: alpha); never scored by the audit"),
+                        "probability alpha, or where a recorded acceptance trace says (args: alpha or "
+                        "trace=FILE from python -m decoders.trace, seed); never scored by the audit"),
 }
 # the fastest decoder the audit gates as exact (.ci/run); spec-naive stays as a baseline only
 DEFAULT_DECODER = "spec"

@@ -310,11 +310,31 @@ def default_shortlist(model) -> str | None:
     return str(path) if path.is_file() else None
 
 
-def load_shortlist(path: Path) -> list[int]:
-    data = json.loads(Path(path).read_text())
-    ids = data["ids"] if isinstance(data, dict) else data
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{path}: shortlist must be a JSON list of token ids or {{'ids': [...]}}")
+def shortlist_source(model, shortlist: str | None, head_dir: str | None) -> str | None:
+    """The shortlist a drafter uses: the one given, else a trained head's (``HEAD_DIR/
+    draft_shortlist.json``), else the checkpoint's, else none (the full vocabulary)."""
+    if shortlist:
+        return shortlist
+    if head_dir is not None and (Path(head_dir) / SHORTLIST_FILE).is_file():
+        return str(Path(head_dir) / SHORTLIST_FILE)
+    return default_shortlist(model) if model is not None else None
+
+
+def load_shortlist(path: Path, vocab: int | None = None) -> list[int]:
+    """Token ids from a shortlist file: a JSON list, or an object with an ``ids`` list; with
+    ``vocab``, every id must lie inside it."""
+    if not Path(path).is_file():
+        raise UserError(f"shortlist file {str(path)!r} not found")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: shortlist is not JSON ({exc})") from None
+    ids = data.get("ids") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UserError(f"{path}: shortlist must be a non-empty JSON list of token ids or {{'ids': [...]}}")
+    bad = [i for i in ids if vocab is not None and not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"{path}: shortlist id {bad[0]} outside the vocabulary (0..{vocab - 1})")
     return ids
 
 

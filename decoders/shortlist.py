@@ -16,10 +16,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from core.errors import UserError
+
 
 def build(model, prompts, max_new_tokens: int, size: int, progress=None) -> dict:
     """Generate greedily (exact fast runtime) from every prompt, then count: see from_streams."""
-    from decoders.fast_serial import FastSerialDecoder
+    from decoders.fast_serial import FastSerialDecoder  # torch loads only when the CLI builds (start-up time)
 
     check_size(size, model.vocab_size)
     dec = FastSerialDecoder()
@@ -34,7 +36,7 @@ def build(model, prompts, max_new_tokens: int, size: int, progress=None) -> dict
 
 def check_size(size: int, vocab: int) -> None:
     if size < 1 or size > vocab:
-        raise ValueError(f"shortlist size must be within 1..{vocab}")
+        raise UserError(f"shortlist size must be within 1..{vocab}")
 
 
 def from_streams(model, streams: list[list[int]], max_new_tokens: int, size: int) -> dict:
@@ -68,7 +70,6 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from core.errors import UserError
     from core.models import load_model
     from core.prompts import load_prompts
     from core.schema import write_json_atomic
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         prompts, info = load_prompts(args.prompts, model)
         data = build(model, prompts, args.max_new_tokens, min(args.size, model.vocab_size),
                      lambda i, n: print(f"generated {i}/{n}", file=sys.stderr))
-    except (UserError, ValueError) as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     data["prompts"] = info

@@ -32,10 +32,13 @@ from pathlib import Path
 
 import torch
 
+from core.errors import UserError
 from decoders.base import DecodeResult, DecodeStats, stop_index
-from decoders.drafter import HEAD_FILE, SHORTLIST_FILE, MTPDrafter, default_shortlist, load_head, load_shortlist
+from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
+from decoders.trace import Trace, TraceRow
+from decoders.trace import load as load_trace
 
 
 class PhaseTimer:
@@ -133,12 +136,12 @@ class SpecDecoder:
         cal = self.runtime.cal if self.runtime is not None else None
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
         path = self.shortlist_source()
-        ids = load_shortlist(path) if path else None
+        ids = load_shortlist(path, self.model.vocab_size) if path else None
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
         # after plain steps, run in chunks of graphed sizes
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1)
 
-    def _ensure_capacity(self, needed: int) -> None:
+    def ensure_capacity(self, needed: int) -> None:
         """Static buffers are sized up front; a longer request gets larger ones (rounded up to
         1024 positions), never a silent overflow."""
         if needed > self.runtime.capacity:
@@ -146,11 +149,7 @@ class SpecDecoder:
 
     def shortlist_source(self) -> str | None:
         """The ``shortlist`` argument, else the trained head's, else the checkpoint's, else none."""
-        if self.shortlist_path:
-            return self.shortlist_path
-        if self.head_dir is not None and (Path(self.head_dir) / SHORTLIST_FILE).is_file():
-            return str(Path(self.head_dir) / SHORTLIST_FILE)
-        return default_shortlist(self.model) if self.model is not None else None
+        return shortlist_source(self.model, self.shortlist_path, self.head_dir)
 
     @torch.inference_mode()
     def measure_costs(self, reps: int = 7) -> dict:
@@ -211,7 +210,7 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        self._ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
+        self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy()
         timer = PhaseTimer(self.model.device)
@@ -290,32 +289,54 @@ class InstrumentedSpecDecoder(SpecDecoder):
     """``spec-instrument``, for benchmarks only: acceptance set by hand on any model.
 
     It runs the real draft computation, then replaces each draft with the control's token at that
-    position with probability ``alpha`` (otherwise with a token that is certainly wrong), so speed
-    at a chosen acceptance can be measured on random-weight models with every cost real. The
-    control's stream comes from ``prepare_prompt``, which the harness calls untimed before a
-    prompt's legs; runs are marked as an instrument and the audit refuses to score them.
+    position or with a token that is certainly wrong, so speed at a chosen acceptance can be
+    measured on any model (random weights included) with every cost real. Which drafts are right:
+      alpha  each one independently with probability alpha (default 0.85)
+      trace  a file ``python -m decoders.trace`` wrote from a real model and head: the k-th draft
+             of a round starting at stream position t is right exactly where the traced head's
+             was (``Trace.accepts``; a prompt the trace lacks, or a longer run, cycles through its
+             rows), so a real head's acceptance pattern drives the costs of the model timed
+    The control's stream comes from ``prepare_prompt``, which the harness calls untimed before a
+    prompt's legs; runs are marked as an instrument and the audit checks their exactness but
+    refuses to score them.
     """
 
     name = "spec-instrument"
     instrument = True
 
-    def __init__(self, alpha: float = 0.85, seed: int = 0, **kwargs):
+    def __init__(self, alpha: float | None = None, seed: int = 0, trace: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        if not 0.0 <= float(alpha) <= 1.0:
-            raise ValueError("alpha must be within 0..1")
-        self.alpha, self.seed = float(alpha), int(seed)
+        if trace is not None and alpha is not None:
+            raise ValueError("give alpha or trace, not both")
+        if trace is None:
+            alpha = 0.85 if alpha is None else float(alpha)
+            if not 0.0 <= alpha <= 1.0:
+                raise ValueError("alpha must be within 0..1")
+        self.alpha, self.seed = alpha, int(seed)
+        self.trace_path = trace
+        self.trace: Trace | None = None if trace is None else load_trace(trace)
+        deepest = self.max_depth if self.fixed is None else self.fixed
+        if self.trace is not None and deepest > self.trace.max_depth:
+            raise UserError(f"{trace}: traced to depth {self.trace.max_depth}, below the depth asked for ({deepest})")
         self.reference: dict[tuple[int, ...], list[int]] = {}
         self._ref: list[int] = []  # the control's tokens for the prompt being decoded
+        self._row: TraceRow | None = None  # the trace row that prompt replays
         self._rng = torch.Generator()  # the substitutions' draws, reseeded per decode
 
     def config(self) -> dict:
-        return {**super().config(), "instrument": True, "alpha": self.alpha, "seed": self.seed}
+        cfg = {**super().config(), "instrument": True, "alpha": self.alpha, "seed": self.seed}
+        if self.trace is not None:
+            model = self.trace.meta.get("model") or {}
+            cfg.update({"trace": self.trace_path, "trace_sha256": file_sha256(Path(self.trace_path)),
+                        "trace_model": model.get("name"), "trace_depth": self.trace.max_depth,
+                        "trace_max_new_tokens": self.trace.max_new_tokens})
+        return cfg
 
     @torch.inference_mode()
     def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Compute the control's tokens for this prompt (exact runtime, serial), untimed."""
         n = max_new_tokens + self.max_depth + 1
-        self._ensure_capacity(len(prompt_ids) + n + self.max_depth + 2)
+        self.ensure_capacity(len(prompt_ids) + n + self.max_depth + 2)
         rt = self.runtime
         logits, _ = rt.prefill(prompt_ids)
         tok = logits.argmax(-1).view(1, 1)
@@ -331,17 +352,25 @@ class InstrumentedSpecDecoder(SpecDecoder):
         if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
             self.prepare_prompt(prompt_ids, max_new_tokens)
         self._ref = self.reference[key]
+        self._row = self.trace.row_for(prompt_ids) if self.trace is not None else None
         self._rng = torch.Generator().manual_seed(self.seed)  # the same substitutions on every leg
         return super().decode(prompt_ids, max_new_tokens)
 
+    def right(self, emitted: int, k: int) -> bool:
+        """Whether the round's k-th draft (1-based) is to be the control's token; the round
+        starts at stream position emitted - 1."""
+        if self.trace is not None:
+            return Trace.accepts(self._row, emitted - 1, k)
+        return float(torch.rand((), generator=self._rng)) < self.alpha
+
     def propose(self, drafts: list[torch.Tensor], emitted: int) -> list[torch.Tensor]:
         """The head's drafts were computed (every cost stays real); replace each by the control's
-        token at its position with probability alpha, else by a token that is certainly wrong."""
+        token at its position where ``right`` says so, else by a token that is certainly wrong."""
         ref, vocab, out = self._ref, self.model.vocab_size, []
         for i, d in enumerate(drafts):
             pos = emitted + i
             want = ref[pos] if pos < len(ref) else None
-            if want is not None and float(torch.rand((), generator=self._rng)) < self.alpha:
+            if want is not None and self.right(emitted, i + 1):
                 out.append(torch.full_like(d, want))
             else:
                 base = want if want is not None else int(d.item())

@@ -39,3 +39,18 @@ def test_cli_writes_file_and_spec_finds_it_beside_checkpoint(tmp_path, tiny):
 def test_cli_rejects_bad_size(tmp_path, capsys):
     assert main(["--model", "tiny", "--size", "0", "--out", str(tmp_path / "s.json")]) == 2
     assert "error:" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+
+
+def test_bad_shortlist_files_are_user_errors(tmp_path, tiny):
+    import pytest
+
+    from core.errors import UserError
+
+    cases = {"missing.json": None, "broken.json": "{", "empty.json": "[]", "words.json": '{"ids": ["a"]}',
+             "outside.json": json.dumps({"ids": [1, tiny.vocab_size]})}
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(UserError, match=name):
+            SpecDecoder(depth=2, shortlist=str(path)).prepare(tiny)

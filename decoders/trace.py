@@ -1,0 +1,249 @@
+"""Acceptance traces: which of the MTP head's chained drafts a model's own greedy stream accepts.
+
+    python -m decoders.trace --model small --prompts stdlib-heldout -n 256 --out FILE
+                             [--max-depth 6] [--limit K] [--device DEV] [--head DIR] [--shortlist FILE]
+
+For every prompt the exact runtime decodes the greedy stream s_0..s_{m-1} (m <= n, ending early at
+EOS, as every decoder does). Teacher-forced along it, the drafter ``spec`` builds for the same
+arguments (its head, its shortlist) catches up on the true row of each position t (the backbone's
+hidden state there and s_t) and chains ``max_depth`` drafts from it; bit (t, k) records whether
+the k-th chained draft equals s_{t+k}, the token a round starting at s_t must match at depth k
+(1 <= k <= max_depth, t + k < m). A row's catch-up here is always one row, where ``spec`` catches up
+on a round's accepted rows at once; a batched head forward may round differently, so a trace is
+the head's acceptance along the stream, not a record of any one ``spec`` run.
+
+The JSON file holds the source model (name and identity), the drafter's settings, the prompt set
+(source, sha256, count), n, and per prompt its id, the sha256 of its token ids, the stream and one
+bit string per position ("1" accepted, "0" not); plus, per depth, the conditional acceptance
+P(draft k accepted | drafts 1..k-1 accepted) and the tokens per round a fixed depth gives.
+
+``spec-instrument --decoder-arg trace=FILE`` replays a trace on any model (``Trace.accepts``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import UserError
+from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
+from decoders.runtime.runtime import ExactRuntime
+
+FORMAT = "qwen35-exact/acceptance-trace/1"
+MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
+
+
+def prompt_sha256(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    prompt_id: str
+    prompt_sha256: str
+    tokens: list[int]  # the greedy stream s_0..s_{m-1}
+    bits: list[str]  # bits[t][k-1] == "1": the k-th draft chained from s_t equals s_{t+k}
+
+
+@dataclass(frozen=True)
+class Trace:
+    max_depth: int
+    max_new_tokens: int
+    rows: list[TraceRow]
+    meta: dict  # model, drafter, prompts: as recorded
+
+    def row_for(self, prompt_ids: list[int]) -> TraceRow:
+        """The prompt's own row when it was traced, else a row picked by the prompt's hash: the
+        same one on every run, rank and prompt order."""
+        sha = prompt_sha256(prompt_ids)
+        for row in self.rows:
+            if row.prompt_sha256 == sha:
+                return row
+        return self.rows[int(sha, 16) % len(self.rows)]
+
+    @staticmethod
+    def accepts(row: TraceRow, t: int, k: int) -> bool:
+        """Whether depth k's draft from position t is accepted. Past the row (a longer run, or a
+        depth it cannot have near its end) positions cycle through the row's complete ones (those
+        with a bit for every depth); a row without any accepts nothing there."""
+        if t < len(row.bits) and k <= len(row.bits[t]):
+            return row.bits[t][k - 1] == "1"
+        full = sum(1 for b in row.bits if len(b) >= k)
+        return full > 0 and row.bits[t % full][k - 1] == "1"
+
+
+def leading_ones(bits: str, depth: int) -> int:
+    """Drafts a round of ``depth`` keeps: the accepted run from the first draft on."""
+    j = 0
+    while j < min(depth, len(bits)) and bits[j] == "1":
+        j += 1
+    return j
+
+
+def summarize(rows: list[list[str]], max_depth: int) -> dict:
+    """Per-depth conditional acceptance, and the tokens per round (accepted + 1) that a fixed
+    depth d gives when its rounds walk the stream (each round starting where the last one left)."""
+    per_depth = []
+    for k in range(1, max_depth + 1):
+        reached = [b for bits in rows for b in bits if len(b) >= k and leading_ones(b, k - 1) == k - 1]
+        hit = sum(1 for b in reached if b[k - 1] == "1")
+        per_depth.append({"depth": k, "opportunities": len(reached), "accepted": hit,
+                          "conditional": hit / len(reached) if reached else None})
+    per_round = {}
+    for d in range(1, max_depth + 1):
+        emitted = rounds = 0
+        for bits in rows:
+            t = 0
+            while t < len(bits) and bits[t]:
+                run = leading_ones(bits[t], d)
+                emitted, rounds, t = emitted + run + 1, rounds + 1, t + run + 1
+        per_round[str(d)] = emitted / rounds if rounds else None
+    return {"per_depth": per_depth, "tokens_per_round_at_fixed_depth": per_round}
+
+
+@torch.inference_mode()
+def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, max_depth: int,
+                  eos: set[int]) -> tuple[list[int], list[str]]:
+    """The greedy stream of one prompt and its bit strings (see the module docstring)."""
+    logits, hidden = runtime.prefill(prompt_ids)
+    drafter.prefill(hidden, prompt_ids)
+    y = logits.argmax(-1).view(1, 1)
+    row_hidden = hidden[:, -1:]
+    tokens, chains = [int(y.item())], []
+    while True:
+        # the true row (hidden state at s_t's position, s_t), then max_depth chained drafts; the
+        # chained rows lie past the true ones, so the next position's catch-up overwrites them
+        chains.append(torch.cat(drafter.draft(row_hidden, y, max_depth), dim=1))
+        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
+            break
+        prog = runtime.step(y)
+        y = prog.ws["argmax"].view(1, 1).clone()
+        row_hidden = prog.ws["hidden"].clone()
+        tokens.append(int(y.item()))
+    drafts = torch.cat(chains, dim=0).tolist()  # [m, max_depth]
+    m = len(tokens)
+    bits = ["".join("1" if drafts[t][k - 1] == tokens[t + k] else "0" for k in range(1, min(max_depth, m - 1 - t) + 1))
+            for t in range(m)]
+    return tokens, bits
+
+
+def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | None = None,
+           shortlist: str | None = None, progress=None) -> dict:
+    """Trace every prompt (``core.prompts.Prompt``) with the drafter ``spec`` builds for the same
+    ``head`` and ``shortlist`` arguments."""
+    if not 1 <= max_depth <= MAX_TRACE_DEPTH:
+        raise UserError(f"--max-depth must be within 1..{MAX_TRACE_DEPTH}")
+    if max_new_tokens < 1:
+        raise UserError("-n must be >= 1")
+    trained = load_head(model, head) if head is not None else None
+    source = shortlist_source(model, shortlist, head)
+    ids = load_shortlist(source, model.vocab_size) if source else None
+    longest = max(len(p.token_ids) for p in prompts) + max_new_tokens + max_depth + 2
+    capacity = -(-longest // 1024) * 1024
+    runtime = ExactRuntime(model, capacity=capacity, windows=(1,))
+    drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1)
+    eos = set(model.eos_token_ids)
+    rows = []
+    for i, p in enumerate(prompts):
+        tokens, bits = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos)
+        rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits})
+        if progress:
+            progress(i + 1, len(prompts), len(tokens))
+    head_file = Path(head) / HEAD_FILE if head is not None else None
+    return {
+        "format": FORMAT,
+        "model": {"name": model.name, "identity": model.identity},
+        "drafter": {"head": head, "head_sha256": hashlib.sha256(head_file.read_bytes()).hexdigest() if head_file else None,
+                    "shortlist": source, "shortlist_size": None if ids is None else len(set(ids))},
+        "max_new_tokens": max_new_tokens,
+        "max_depth": max_depth,
+        "rows": rows,
+        "acceptance": summarize([r["bits"] for r in rows], max_depth),
+    }
+
+
+def load(path) -> Trace:
+    """A trace file, checked: every malformation is a UserError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"trace file {str(path)!r} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not a JSON trace file ({exc})") from None
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise UserError(f"{path}: not a valid trace file: {what}")
+
+    need(isinstance(data, dict) and data.get("format") == FORMAT, f"format must be {FORMAT!r}")
+    depth, n, rows = data.get("max_depth"), data.get("max_new_tokens"), data.get("rows")
+    need(isinstance(depth, int) and 1 <= depth <= MAX_TRACE_DEPTH, "max_depth")
+    need(isinstance(n, int) and n >= 1, "max_new_tokens")
+    need(isinstance(rows, list) and rows, "rows must be a non-empty list")
+    out = []
+    for i, r in enumerate(rows):
+        need(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("prompt_sha256"), str),
+             f"row {i}: id and prompt_sha256")
+        tokens, bits = r.get("tokens"), r.get("bits")
+        need(isinstance(tokens, list) and 1 <= len(tokens) <= n
+             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens), f"row {i}: tokens")
+        need(isinstance(bits, list) and len(bits) == len(tokens), f"row {i}: one bit string per token")
+        need(all(isinstance(b, str) and set(b) <= {"0", "1"} and len(b) == min(depth, len(tokens) - 1 - t)
+                 for t, b in enumerate(bits)), f"row {i}: bit strings of 0/1, max_depth long (shorter at the end)")
+        out.append(TraceRow(r["id"], r["prompt_sha256"], list(tokens), list(bits)))
+    meta = {k: data.get(k) for k in ("model", "drafter", "prompts")}
+    return Trace(max_depth=depth, max_new_tokens=n, rows=out, meta=meta)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
+    ap.add_argument("--limit", type=int, default=None, help="keep the first K prompts")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-depth", type=int, default=6)
+    ap.add_argument("--head", default=None, help="a directory written by `heads train` (as spec's head=)")
+    ap.add_argument("--shortlist", default=None, help="draft shortlist JSON (as spec's shortlist=)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from core import determinism
+
+    determinism.pin()  # before anything starts CUDA
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from core.models import load_model
+    from core.prompts import load_prompts
+    from core.schema import write_json_atomic
+
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise UserError("--limit must be >= 1")
+        if args.out.is_dir():
+            raise UserError(f"--out {str(args.out)!r} is a directory; give a file name")
+        model = load_model(args.model, args.device)
+        model.require_mtp("trace")
+        prompts, info = load_prompts(args.prompts, model, args.limit)
+        data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,
+                      lambda i, k, m: print(f"traced {i}/{k} ({m} tokens)", file=sys.stderr, flush=True))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    data["prompts"] = info
+    write_json_atomic(args.out, data)
+    acc = ", ".join(f"{d['conditional']:.3f}" if d["conditional"] is not None else "-"
+                    for d in data["acceptance"]["per_depth"])
+    print(f"wrote {args.out}: {len(data['rows'])} prompts, conditional acceptance by depth {acc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
