@@ -259,21 +259,28 @@ class SpecDecoder:
         the model's own next token, roll back past it. Returns the kept tokens (accepted + 1)."""
         rt, dr = self.runtime, self.drafter
         with timer.phase("draft"):
-            drafts = self.propose(dr.draft(torch.cat(pending.hidden, dim=1), torch.cat(pending.tokens, dim=1), depth),
-                                  emitted)
+            drafts = self.propose(dr.draft(joined(pending.hidden), joined(pending.tokens), depth), emitted)
         with timer.phase("verify"):
             block = torch.cat([pending.y] + drafts, dim=1)
             prog = rt.verify(block)
-            pred = prog.ws["argmax"].view(-1).tolist()
-        drafted = block.view(-1)[1:].tolist()  # ready: reading pred waited for the window
+            argmax = prog.ws["argmax"].view(1, -1)
+            # the model's tokens and the drafts in one read: the round's only wait for the device
+            both = torch.cat([argmax, block[:, 1:]], dim=1).view(-1).tolist()
+        pred, drafted = both[:depth + 1], both[depth + 1:]
         j = accepted_prefix(pred, drafted)
         with timer.phase("rollback"):
             rt.accept(j + 1)
-        kept = drafted[:j] + [pred[j]]
-        pending.y = torch.tensor([[pred[j]]], device=pending.y.device)
+        # the kept tokens are the window's argmax rows 0..j (accepted drafts equal them), so the
+        # next round's inputs stay on the device: no host-to-device copy, which would wait too
+        pending.tokens = [argmax[:, :j + 1].clone()]
+        pending.y = pending.tokens[0][:, j:]
         pending.hidden = [prog.ws["hidden"][:, :j + 1].clone()]
-        pending.tokens = [torch.tensor([kept], device=pending.y.device)]
-        return kept
+        return pred[:j + 1]
+
+
+def joined(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Pending rows as one [1,k,...] tensor (no copy when there is one)."""
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 def file_sha256(path: Path) -> str | None:
