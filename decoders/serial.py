@@ -7,6 +7,7 @@ It matches ``model.generate(do_sample=False)`` token for token (tests/test_seria
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from decoders.base import DecodeResult, DecodeStats
 
@@ -26,8 +27,6 @@ class SerialDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        from transformers import DynamicCache
-
         lm = self.model.backbone
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()

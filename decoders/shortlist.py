@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
+    # torch and the model code load after the arguments parse (start-up time), and after pin()
     from core import determinism
 
     determinism.pin()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import DynamicCache
 
-from decoders.base import DecodeResult, DecodeStats
 from core.mtp import new_mtp_cache
+from decoders.base import DecodeResult, DecodeStats
 
 
 class SpecNaiveDecoder:
@@ -35,8 +36,6 @@ class SpecNaiveDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        from transformers import DynamicCache
-
         lm, head, dev = self.model.backbone, self.model.mtp, self.model.device
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats(extra={"repairs": 0})

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 
+from core import determinism
 from core.errors import UserError
+from core.models import load_model
+from core.prompts import load_prompts
+from core.schema import write_json_atomic
 from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
 from decoders.runtime.runtime import ExactRuntime
 
@@ -214,16 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from core import determinism
-
     determinism.pin()  # before anything starts CUDA
-    import transformers
-
     transformers.logging.set_verbosity_error()
-    from core.models import load_model
-    from core.prompts import load_prompts
-    from core.schema import write_json_atomic
-
     try:
         if args.limit is not None and args.limit < 1:
             raise UserError("--limit must be >= 1")

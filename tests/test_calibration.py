@@ -6,6 +6,9 @@ once in 10^4 elements, and an fp32 statistic in many rows but not all. These fak
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from decoders.runtime import calibration as C
@@ -57,9 +60,6 @@ def test_calibration_refuses_to_batch_a_model_gemm_that_differs_rarely(tiny):
     construction), while the model's other GEMMs keep what the plain model's proof gives them.
     The flips' seed is one whose first differences come late: a proof comparing one trial per row
     count (GEMM_ELEMENTS_PER_ROW_COUNT = 1024) misses them all and batches 8 rows."""
-    import copy
-    import dataclasses
-
     backbone = copy.deepcopy(tiny.backbone)
     head = backbone.lm_head
     rare = RarelyDifferentLinear(head.in_features, head.out_features, from_rows=5, seed=4)

@@ -16,8 +16,13 @@ import torch
 from transformers import DynamicCache
 
 from core import determinism
+from core.models import load_model
+from decoders import get_decoder
 from decoders.drafter import MTPDrafter
 from decoders.runtime.runtime import ExactRuntime
+from decoders.serial import SerialDecoder
+from fixtures.prompts import DEV_PROMPTS
+from test_runtime import random_model  # a helper of that test module (tests/ is on the path)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,9 +30,6 @@ pytestmark = [pytest.mark.cuda,
 
 @pytest.fixture(scope="module")
 def models():
-    from core.models import load_model
-    from test_runtime import random_model  # a helper of that module, not a test
-
     assert not determinism.differences(determinism.PINNED,
                                        {k: v for k, v in determinism.current().items() if k in determinism.PINNED})
     other = random_model()
@@ -166,9 +168,6 @@ def test_drafter_graphs_equal_the_same_drafter_eager(models):
 
 @pytest.fixture(scope="module")
 def serial_tokens(models):
-    from decoders.serial import SerialDecoder
-    from fixtures.prompts import DEV_PROMPTS
-
     model = models["tiny"]
     tok = model.tokenizer.get()
     prompts = [tok.encode(p["text"]) for p in DEV_PROMPTS[:4]]
@@ -181,8 +180,6 @@ def serial_tokens(models):
                                          ("spec-instrument", {"alpha": 0.8, "max_depth": 6}),
                                          ("spec-instrument", {"alpha": 1.0, "depth": 5})])
 def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
-    from decoders import get_decoder
-
     prompts, want = serial_tokens
     dec = get_decoder(name, **kwargs)
     dec.prepare(models["tiny"])

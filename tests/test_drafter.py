@@ -8,7 +8,8 @@ copies the pending rows into its per-row-count static buffers and runs its pre/a
 import pytest
 import torch
 
-from decoders.drafter import MTPDrafter
+from decoders.drafter import MTPDrafter, catch_up_sizes, split_rows
+from decoders.spec import SpecDecoder
 
 # (pending rows m, depth) per round: every m up to 8, repeats, and catch-ups past max_rows,
 # including ones longer than the largest graphed chunk (as after a run of plain steps)
@@ -58,8 +59,6 @@ def test_catch_up_drafts_equal_forward_rows_reference(tiny, max_rows):
 
 
 def test_long_catch_ups_split_into_graphed_chunks():
-    from decoders.drafter import catch_up_sizes, split_rows
-
     sizes = catch_up_sizes(7, 4096)
     assert sizes == [1, 2, 3, 4, 5, 6, 7, 16, 32, 64]
     assert split_rows(7, sizes) == [7] and split_rows(16, sizes) == [16]
@@ -80,8 +79,6 @@ def test_catch_up_checks_capacity(tiny):
 
 
 def test_spec_sizes_catch_up_to_its_window(tiny):
-    from decoders.spec import SpecDecoder
-
     dec = SpecDecoder(max_depth=3)
     dec.prepare(tiny)
     assert sorted(dec.drafter._rows) == [1, 2, 3, 4, 16, 32, 64]  # accepted rows + 1 <= max_depth + 1; long chunks

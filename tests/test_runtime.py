@@ -13,10 +13,12 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from core.models import LoadedModel
 from decoders.fast_serial import FastSerialDecoder
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.runtime import ExactRuntime
-from core.models import LoadedModel
+from decoders.serial import SerialDecoder
+from fixtures.prompts import DEV_PROMPTS
 
 
 def random_model(seed=7):
@@ -169,9 +171,6 @@ def test_random_windows_and_rollback(which, forced, tiny, other):
 
 
 def test_fast_serial_matches_serial_tokens(tiny, tiny_tokenizer):
-    from decoders.serial import SerialDecoder
-    from fixtures.prompts import DEV_PROMPTS
-
     serial, fast = SerialDecoder(), FastSerialDecoder(capacity=256)
     serial.prepare(tiny)
     fast.prepare(tiny)
@@ -181,8 +180,6 @@ def test_fast_serial_matches_serial_tokens(tiny, tiny_tokenizer):
 
 
 def test_fast_serial_stops_at_eos(tiny, tiny_tokenizer):
-    from decoders.serial import SerialDecoder
-
     ids = tiny_tokenizer.encode("Shopping list for the week:")
     full = SerialDecoder()
     full.prepare(tiny)

@@ -2,10 +2,13 @@
 import json
 import shutil
 
+import pytest
+
+from core.errors import UserError
+from core.models import TINY_DIR, load_model
+from core.prompts import load_prompts
 from decoders.shortlist import build, main
 from decoders.spec import SpecDecoder
-from core.models import load_model
-from core.prompts import load_prompts
 
 
 def test_build_sizes_and_fills(tiny):
@@ -20,8 +23,6 @@ def test_build_sizes_and_fills(tiny):
 
 
 def test_cli_writes_file_and_spec_finds_it_beside_checkpoint(tmp_path, tiny):
-    from core.models import TINY_DIR
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(TINY_DIR, ckpt)
     assert main(["--model", str(ckpt), "-n", "8", "--size", "128", "--out", str(ckpt / "draft_shortlist.json")]) == 0
@@ -42,10 +43,6 @@ def test_cli_rejects_bad_size(tmp_path, capsys):
 
 
 def test_bad_shortlist_files_are_user_errors(tmp_path, tiny):
-    import pytest
-
-    from core.errors import UserError
-
     cases = {"missing.json": None, "broken.json": "{", "empty.json": "[]", "words.json": '{"ids": ["a"]}',
              "outside.json": json.dumps({"ids": [1, tiny.vocab_size]})}
     for name, text in cases.items():

@@ -7,11 +7,13 @@ on and off, EOS-terminated and long generations.
 """
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 
+from decoders.policy import Costs
 from decoders.serial import SerialDecoder
-from decoders.spec import InstrumentedSpecDecoder, SpecDecoder
+from decoders.spec import InstrumentedSpecDecoder, SpecDecoder, accepted_prefix
 from fixtures.prompts import DEV_PROMPTS
 
 
@@ -30,8 +32,6 @@ def prompts(tiny_tokenizer):
 @pytest.fixture(scope="module")
 def shortlist_file(tmp_path_factory, serial, prompts):
     """A request-independent shortlist: the most frequent ids in generated text."""
-    from collections import Counter
-
     counts = Counter()
     for ids in prompts:
         counts.update(serial.decode(ids, 48).tokens)
@@ -63,8 +63,6 @@ def test_instrument_exact_at_fixed_depths(tiny, serial, prompts, depth):
 
 
 def test_instrument_adaptive_every_accept_length(tiny, serial, prompts):
-    from decoders.policy import Costs
-
     dec = InstrumentedSpecDecoder(alpha=0.7, max_depth=6, seed=3, online_costs=False)
     dec.prepare(tiny)
     # CPU windows are slow (eager), so measured costs keep the policy shallow; give it costs shaped
@@ -140,8 +138,6 @@ def test_bad_arguments():
 
 
 def test_accepted_prefix_counts_leading_agreement():
-    from decoders.spec import accepted_prefix
-
     assert accepted_prefix([5, 6, 7, 8], [5, 6, 7]) == 3  # all accepted: the 4th row is the bonus token
     assert accepted_prefix([5, 6, 7, 8], [5, 9, 7]) == 1  # a later agreement after a miss does not count
     assert accepted_prefix([5, 6], [4]) == 0

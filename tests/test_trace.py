@@ -12,20 +12,20 @@ import random
 import pytest
 
 from core.errors import UserError
+from core.models import load_model
+from core.prompts import load_prompts
 from core.schema import write_json_atomic
 from decoders import get_decoder
 from decoders import trace as T
 from decoders.policy import Costs
 from decoders.serial import SerialDecoder
-from fixtures.prompts import DEV_PROMPTS
+from decoders.spec import SpecDecoder
 
 N = 48
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny):
-    from core.prompts import load_prompts
-
     return load_prompts("dev", tiny, limit=3)[0]
 
 
@@ -171,10 +171,6 @@ def test_bad_trace_files_and_arguments_are_user_errors(tmp_path, prompts, stream
 def test_trace_of_small_predicts_the_real_spec_rounds(tmp_path):
     """On `small`, whose head accepts often: replaying the recorded trace through spec's own depth
     choices gives exactly the accept counts the real head had in those rounds."""
-    from core.models import load_model
-    from core.prompts import load_prompts
-    from decoders.spec import SpecDecoder
-
     small = load_model("small", "cpu")
     prompts = load_prompts("stdlib-heldout", small, limit=1)[0]
     path = tmp_path / "small.json"

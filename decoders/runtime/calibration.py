@@ -16,6 +16,7 @@ proof compares tens of thousands of elements per row count, not one random trial
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -90,8 +91,6 @@ def calibrate(model, max_rows: int = 8, seed: int = 0) -> Calibration:
     """Prove row-invariance for every op class the window batches, on model's device and shapes.
     The proof depends only on the model's weights, shapes and device, so it is made once per
     loaded model (and MTP head) and each caller gets its own copy."""
-    import copy
-
     cache = model.extra.setdefault("calibrations", {}) if hasattr(model, "extra") else {}
     key = (max_rows, seed, id(model.mtp))
     if key not in cache:

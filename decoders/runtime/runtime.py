@@ -12,6 +12,7 @@ the logit the pristine ``serial`` control computes for that position after the s
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.graphs import capture_segments
@@ -83,8 +84,6 @@ class ExactRuntime:
         """The control's prefill (HF forward, DynamicCache, last-row logits), into static state.
         Returns the last position's logits [1,V] and the hidden states of every prompt position
         [1,P,H] (after the final norm: what the MTP head consumes)."""
-        from transformers import DynamicCache
-
         lm = self.model.backbone
         if len(prompt_ids) + 1 > self.capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit capacity {self.capacity}")
