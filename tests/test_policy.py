@@ -220,3 +220,10 @@ def test_fixed_depth_ignores_round_times():
     p = DepthPolicy(STARTUP, max_depth=6, fixed=2)
     drive_timed(p, 0.0, 50, lambda d: 1.0)
     assert p.times.rounds == [0] * 7 and {p.choose() for _ in range(5)} == {2}
+
+
+def test_costs_from_reps_take_each_ops_fastest_rep():
+    reps = {"step": [3.0, 2.0, 2.5], "draft": [0.4, 0.5], "verify": {"1": [3.1, 2.9], 2: [3.5, 3.3]}}
+    costs = Costs.from_reps(reps)
+    assert costs == Costs(step=2.0, draft=0.4, verify={1: 2.9, 2: 3.3})
+    assert costs.round_time(1) == 0.4 + 3.3
