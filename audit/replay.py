@@ -150,13 +150,14 @@ class PromptReplay:
 
 
 def leg_streams(p) -> dict[str, tuple]:
-    """Every leg's stream by label; a duplicated leg (itself a tamper finding) is still replayed."""
-    labelled = {}
+    """Every leg's stream by label; a duplicated leg (itself a tamper finding) is still replayed,
+    its n-th copy labelled with n primes, or ``'n`` past three (labels stay short however many
+    copies a hostile file holds)."""
+    labelled, copies = {}, {}
     for r in p.legs:
-        label = f"{r['role']}#{r['leg']}"
-        while label in labelled:
-            label += "'"
-        labelled[label] = tuple(r["tokens"])
+        base = f"{r['role']}#{r['leg']}"
+        n = copies[base] = copies.get(base, -1) + 1
+        labelled[base + ("'" * n if n <= 3 else f"'{n}")] = tuple(r["tokens"])
     return labelled
 
 

@@ -109,6 +109,18 @@ def test_leg_checks_are_linear_in_the_legs_present():
     assert not [f for f in found if f["check"] == "tamper"]
 
 
+def test_ten_thousand_copies_of_one_leg_audit_in_linear_time(stream):
+    def copies(recs):
+        i = next(k for k, r in enumerate(recs) if r["type"] == "leg" and r["role"] == "candidate")
+        recs[i + 1:i + 1] = [dict(recs[i]) for _ in range(10_000)]
+
+    edit(stream, copies)
+    t0 = time.perf_counter()
+    result, doc = run_audit(stream)
+    assert time.perf_counter() - t0 < 30
+    assert result.exit_code == 1 and any("more than once" in f["message"] for f in findings(doc, "tamper"))
+
+
 # --------------------------------------------------------------------------- not a stream
 
 
