@@ -241,7 +241,7 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
     key = (model_spec or model_spec_from_header(run.header), dev)
     if key not in models:
         models[key] = load_replay_model(run, model_spec, dev)
-    check_prompt_ids(run, models[key].vocab_size)
+    check_prompt_ids(run, models[key].vocab_size, getattr(models[key].text_config, "max_position_embeddings", None))
     more, model_findings = file_findings(run, models[key])
     return path, run, replay_dev, findings + more, key, not model_findings
 

@@ -47,11 +47,15 @@ def choose_device(requested: str | None, recorded: dict) -> str:
     return "cpu"
 
 
-def check_prompt_ids(run, vocab_size: int) -> None:
+def check_prompt_ids(run, vocab_size: int, context: int | None = None) -> None:
+    """Every prompt id inside the vocabulary, every prompt inside the model's context (a longer
+    one would cost a replay out of proportion to anything the model can run)."""
     for p in run.prompts:
         bad = [t for t in p.token_ids if not 0 <= t < vocab_size]
         if bad:
             raise BadInput(f"prompt {p.id!r}: token id {bad[0]} outside the model's vocabulary (0..{vocab_size - 1})")
+        if context is not None and len(p.token_ids) > context:
+            raise BadInput(f"prompt {p.id!r} has {len(p.token_ids)} tokens, beyond the model's context of {context}")
 
 
 def replay_device_json(dev: str) -> dict:
@@ -66,7 +70,7 @@ def load_replay_model(run, model_spec: str | None, dev: str):
         model = load_model(spec, dev)
     except UserError as exc:
         raise UserError(f"cannot load model {spec!r} to replay with: {exc}") from None
-    check_prompt_ids(run, model.vocab_size)
+    check_prompt_ids(run, model.vocab_size, getattr(model.text_config, "max_position_embeddings", None))
     return model
 
 

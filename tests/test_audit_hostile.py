@@ -109,6 +109,15 @@ def test_leg_checks_are_linear_in_the_legs_present():
     assert not [f for f in found if f["check"] == "tamper"]
 
 
+def test_prompt_beyond_the_models_context(stream):
+    def grow(recs):
+        p = next(r for r in recs if r["type"] == "prompt")
+        p["token_ids"] = (p["token_ids"] * 5000)[:5000]
+
+    edit(stream, grow)
+    assert_bad_input(stream, "beyond the model's context of 4096")
+
+
 def test_ten_thousand_copies_of_one_leg_audit_in_linear_time(stream):
     def copies(recs):
         i = next(k for k, r in enumerate(recs) if r["type"] == "leg" and r["role"] == "candidate")
