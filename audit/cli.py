@@ -3,12 +3,13 @@
 ``audit replay STREAM`` pins the deterministic configuration, loads the model that recorded the
 stream, replays every token through its own pristine serial greedy path, recomputes every ratio
 from the raw legs, checks the file for tampering, scores the run and writes audit.json.
+``audit retime STREAM`` times the candidate again on fresh prompts, each side in a worker process
+of its own, on the audit's clock, and writes retime.json (``audit.retime``).
 
 Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input,
 or under torchrun a rank that failed or hung (one line on stderr, nothing written).
 
-Import rule: core.schema / models / determinism / errors / dist only; never harness.timing,
-harness.cli or decoders (tests/test_audit_imports.py).
+Import rule: core only; never harness or decoders (tests/test_audit_imports.py).
 """
 from __future__ import annotations
 

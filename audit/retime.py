@@ -47,11 +47,12 @@ from pathlib import Path
 import click
 
 from core.prompts import RANDOM_SETS, corpus_prompts, parse_corpus_spec
-from core.schema import ROLES, abba_roles, write_json_atomic
+from core.schema import ROLES, abba_roles, loads, write_json_atomic
 
 from audit import checks
-from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device, load_replay_model, log,
-                            model_spec_from_header, pin_replay_environment, prompt_set_spec, replay_device_json)
+from audit.pipeline import (EXIT_FAIL, EXIT_PASS, MAX_REBUILT_PROMPTS, check_out_path, choose_device,
+                            load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
+                            replay_device_json)
 from audit.replay import replay_run
 from audit.report import divergence_findings, fmt_ratio
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
@@ -123,7 +124,7 @@ def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt]
     if spec in RANDOM_SETS:
         ids = [random_ids(rng, vocab, len(m.token_ids)) for m in mirrors]
         how = f"random token ids (as {source} draws them), seed from the stream's sha256"
-    elif corpus is not None and model.tokenizer is not None:
+    elif corpus is not None and model.tokenizer is not None and corpus[1] <= MAX_REBUILT_PROMPTS:
         ids = corpus_snippets(model, corpus, [len(m.token_ids) for m in mirrors], rng)
         how = (f"other snippets of the {corpus[0]} split than {source}'s {corpus[1]} "
                "(core.prompts.corpus_prompts), cut to each mirrored prompt's length")
@@ -253,7 +254,7 @@ class Worker:
             code = self.proc.wait()
             raise WorkerError(f"the {self.role}'s worker exited (code {code}); its stderr is above")
         try:
-            msg = json.loads(line)
+            msg = loads(line)  # the stream's strict rules: a worker runs code the audit does not trust
         except ValueError:
             raise WorkerError(f"the {self.role}'s worker wrote {line.strip()[:200]!r}, not a protocol line") from None
         if not isinstance(msg, dict) or "error" in msg:
@@ -267,8 +268,11 @@ class Worker:
         return self.ready
 
     def send(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a closed pipe: the worker is gone
+            raise WorkerError(f"the {self.role}'s worker exited (code {self.proc.wait()}); its stderr is above") from None
 
     def tokens(self) -> list[int]:
         tokens = self.read().get("tokens")
