@@ -143,6 +143,48 @@ def test_order_must_follow_abba():
     assert len(checks_named(found, "tamper")) >= 2
 
 
+def test_abba_slot_is_abba_roles_without_the_list():
+    for legs in (1, 2, 3, 7):
+        roles = abba_roles(legs)
+        assert [checks.abba_slot(k) for k in range(2 * legs)] == \
+            [(role, roles[:k].count(role)) for k, role in enumerate(roles)]
+
+
+def test_warmup_prompt_rules():
+    p = make_prompt()
+    assert checks.check_warmup_prompt(p) == []  # not recorded: nothing to check
+    p.warmup_ids = [9, 9, 9]
+    assert checks.check_warmup_prompt(p) == []
+    p.warmup_ids = list(p.token_ids)
+    assert checks_named(checks.check_warmup_prompt(p), "warmup-prompt")
+    p.warmup_ids = [9]
+    assert checks_named(checks.check_warmup_prompt(p), "warmup-prompt")
+
+
+def test_leg_spread_warns_and_marks_the_run_unstable():
+    steady = make_prompt({"control": [1.0, 1.1], "candidate": [0.5, 0.55]}, pid="s")
+    noisy = make_prompt({"control": [1.0, 1.5], "candidate": [0.5, 0.5]}, pid="n", start=100)
+    assert checks.check_leg_spread(steady) == []
+    (f,) = checks.check_leg_spread(noisy)
+    assert (f["check"], f["severity"], f["role"], f["spread"]) == ("unstable", "warn", "control", pytest.approx(0.5))
+    assert checks.run_unstable([steady, noisy])  # 1 of 2 > UNSTABLE_RUN_SHARE
+    assert not checks.run_unstable([steady, steady, steady, steady, noisy])
+
+
+def test_prompt_set_against_its_rebuilt_reference():
+    a, b = make_prompt(pid="a"), make_prompt(pid="b", start=100)
+    ref = ([("a", a.token_ids), ("b", b.token_ids)], {"source": "builtin:x", "sha256": "s", "count": 2})
+    header = {"prompts": {"source": "builtin:x", "sha256": "s", "count": 2}}
+    assert checks.check_prompt_set(header, [a, b], ref) == []
+    bad = checks.check_prompt_set({"prompts": {"source": "builtin:x", "sha256": "t", "count": 3}}, [a, b], ref)
+    assert [f["check"] for f in bad] == ["prompts", "prompts"] and all(f["severity"] == "fail" for f in bad)
+    b.token_ids = [1]
+    assert "not the prompts of" in checks.check_prompt_set(header, [a, b], ref)[0]["message"]
+    (w,) = checks.check_prompt_set(header, [a, b], "prompt file 'x' is not on this machine")
+    assert w["severity"] == "warn"
+    assert checks.check_prompt_set({}, [a], ref)[0]["severity"] == "fail"
+
+
 def test_missing_duplicate_and_extra_legs():
     p = make_prompt(legs=2)
     del p.legs[2]  # candidate#1
