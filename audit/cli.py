@@ -63,7 +63,11 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     first divergence reported with its top-5 logits and margin); control legs must agree with
     each other; ratios are recomputed from the raw legs and compared with the harness's; leg
     times, ABBA order, the end record's count and sha256 are checked; a candidate much faster
-    on later legs than on its first is flagged. Writes audit.json and prints a table.
+    on later legs than on its first is flagged. A prompt's ratio is the control's median leg over
+    the candidate's first leg. The header's prompt set (sha256, count), each warm-up prompt, and
+    the harness's own violation records are checked too; a side whose legs spread beyond
+    core.schema.LEG_SPREAD_LIMIT is warned about (unstable), without changing the verdict. STREAM may be a run directory
+    (its stream.jsonl). Writes audit.json and prints a table.
 
     Several GPUs: `torchrun --nproc-per-node G -m audit replay STREAM` replays prompt i on rank
     i % G (cuda:LOCAL_RANK) and rank 0 writes the one audit.json, the same document as one
@@ -168,7 +172,7 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     on K fresh prompts of the stream's lengths drawn from its prompt source with a seed from the
     stream's sha256, and replays every retimed token through its pristine serial path. Fails
     (ratio-not-reproduced) when the retimed median ratio falls short of the recorded one by more
-    than max(the retime's noise, 25%). Writes retime.json, prints both ratios per prompt and
+    than max(the control's leg noise, 25%). Writes retime.json, prints both ratios per prompt and
     median. Exit 0 reproduced, 1 findings, 2 bad input.
     """
     from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
