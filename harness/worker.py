@@ -21,11 +21,13 @@ import json
 import sys
 
 import click
+import torch
+import transformers
 
 from core import determinism
 from core.errors import UserError
-
-determinism.pin()  # before anything touches CUDA, as harness time and the audit do
+from core.models import load_model
+from decoders import get_decoder, parse_decoder_args
 
 
 def reply(channel, obj: dict) -> None:
@@ -35,11 +37,6 @@ def reply(channel, obj: dict) -> None:
 
 def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict):
     """The model and the prepared decoder."""
-    import transformers
-
-    from core.models import load_model
-    from decoders import get_decoder
-
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
     decoder = get_decoder(decoder_spec, **kwargs)
     model = load_model(model_spec, device)
@@ -49,8 +46,6 @@ def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict):
 
 def serve(channel, model, decoder) -> None:
     """Answer requests until stdin closes."""
-    import torch
-
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -76,8 +71,7 @@ def serve(channel, model, decoder) -> None:
               help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
 def main(model_spec, device, decoder_spec, args_json, decoder_args):
     """Serve decode requests for one decoder on stdin/stdout (see the module docstring)."""
-    from decoders import parse_decoder_args
-
+    determinism.pin()  # before anything touches CUDA, as harness time and the audit do
     channel, sys.stdout = sys.stdout, sys.stderr  # a decoder's prints must not corrupt the protocol
     try:
         kwargs = json.loads(args_json)
