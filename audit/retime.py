@@ -205,9 +205,6 @@ def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
     """The control and the candidate as recorded. The candidate's arguments come from the header's
     ``args``, else from its command line. A plug-in is code the stream names: it runs only with
     ``trust_plugins``."""
-    if header["candidate"].get("instrument") is True:
-        raise BadInput(f"the candidate {header['candidate']['name']!r} is an instrument, never scored: "
-                       "there is no speed claim to retime")
     sides = []
     for role in ROLES:
         entry = header[role]
@@ -267,9 +264,15 @@ class Worker:
             raise WorkerError(f"the {self.role}'s worker did not start with a ready line: {self.ready!r}")
         return self.ready
 
-    def send(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """An instrument's untimed per-prompt preparation, as ``harness time`` gives it."""
+        self.send(prompt_ids, max_new_tokens, key="prepare_prompt")
+        if self.read().get("prepared") is not True:
+            raise WorkerError(f"the {self.role}'s worker did not confirm its preparation")
+
+    def send(self, prompt_ids: list[int], max_new_tokens: int, key: str = "prompt_ids") -> None:
         try:
-            self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+            self.proc.stdin.write(json.dumps({key: prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
             self.proc.stdin.flush()
         except OSError:  # a closed pipe: the worker is gone
             raise WorkerError(f"the {self.role}'s worker exited (code {self.proc.wait()}); its stderr is above") from None
@@ -309,14 +312,17 @@ def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_ne
 
 
 def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
-               warmup_tokens: int, out: list[PromptRun]) -> None:
-    """Per prompt: an untimed warm-up of both sides on its warm-up prompt, then ABBA legs. Each
+               warmup_tokens: int, out: list[PromptRun], instrument: bool = False) -> None:
+    """Per prompt: an untimed warm-up of both sides on its warm-up prompt (and, for an instrument,
+    its untimed preparation on the prompt, as ``harness time`` gives it), then ABBA legs. Each
     prompt joins ``out`` once all its legs ran."""
     origin = time.perf_counter()
     for n, fp in enumerate(prompts, start=1):
         for role in ROLES:
             if warmup_tokens:
                 request(workers, role, fp.warmup_ids, warmup_tokens)
+        if instrument:
+            workers["candidate"].prepare_prompt(fp.token_ids, max_new_tokens)
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(legs)):
@@ -393,7 +399,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "stream_sha256": sha,
         "seed": seed,
         "fresh_prompts": how,
-        "candidate": {k: run.header["candidate"].get(k) for k in ("name", "spec", "args")},
+        "candidate": {k: run.header["candidate"].get(k) for k in ("name", "spec", "args", "instrument")},
         "control": run.header["control"].get("name"),
         "model": run.header["model"].get("name"),
         "max_new_tokens": max_new_tokens,
@@ -440,7 +446,7 @@ def render_table(doc: dict) -> str:
                  f"control noise {doc['noise']['used']:.0%} (retime {doc['noise']['retime']:.0%}, stream "
                  f"{doc['noise']['stream']:.0%}), allowed shortfall {doc['tolerance']:.0%}")
     lines.append(f"retime took {doc['seconds']:.1f} s  verdict: {doc['verdict'].upper()}  candidate: "
-                 f"{doc['candidate']['name']}")
+                 f"{doc['candidate']['name']}" + ("  (instrument: never scored)" if doc["candidate"].get("instrument") else ""))
     return "\n".join(lines)
 
 
@@ -455,6 +461,9 @@ def retime(opts: RetimeOptions) -> int:
     out_path = check_out_path(opts.out or path.parent / "retime.json", path)
     run = load_run(path)
     sides = recorded_sides(run.header, opts.trust_plugin)
+    # an instrument is never scored; its ratio can still be reproduced, with the same untimed
+    # per-prompt preparation the harness gave it
+    instrument = run.header["candidate"].get("instrument") is True
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     seed = stream_seed(sha)
     dev = choose_device(opts.device, run.header["device"])
@@ -474,7 +483,7 @@ def retime(opts: RetimeOptions) -> int:
     workers = start_workers(sides, model_spec, dev)
     timed = []
     try:
-        time_fresh(workers, fresh, n, opts.legs, warmup, timed)
+        time_fresh(workers, fresh, n, opts.legs, warmup, timed, instrument=instrument)
     except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
         findings.append(checks.finding("retime-error", "fail", fresh[len(timed)].id, str(exc)))
     finally:

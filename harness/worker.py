@@ -11,6 +11,9 @@ reach the timing or the other side. Protocol, one JSON object per line:
   request  stdin ``{"prompt_ids": [...], "max_new_tokens": N}`` -> stdout ``{"tokens": [...]}``,
            written once the decode returned and the device is synchronised; a request that
            fails gets ``{"error": "..."}`` and the worker goes on.
+  prepare  stdin ``{"prepare_prompt": [...], "max_new_tokens": N}`` -> ``{"prepared": true}``: a
+           benchmark instrument's untimed per-prompt preparation (as ``harness time`` calls it);
+           refused with ``{"error": ...}`` for a decoder that is not marked ``instrument = True``.
   end      stdin closed: the worker exits 0.
 
 stdout carries protocol lines only: anything else the decoder prints goes to stderr.
@@ -51,6 +54,12 @@ def serve(channel, model, decoder) -> None:
             continue
         try:
             request = json.loads(line)
+            if "prepare_prompt" in request:
+                if getattr(decoder, "instrument", False) is not True:
+                    raise UserError(f"{decoder.name} is not an instrument: it gets no untimed preparation")
+                decoder.prepare_prompt(list(request["prepare_prompt"]), int(request["max_new_tokens"]))
+                reply(channel, {"prepared": True})
+                continue
             ids, n = request["prompt_ids"], request["max_new_tokens"]
             tokens = [int(t) for t in decoder.decode(list(ids), int(n)).tokens]
             if model.device.type == "cuda":

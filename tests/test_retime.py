@@ -131,8 +131,29 @@ def test_recorded_sides_and_their_arguments():
     assert candidate.command("tiny", "cpu")[-2:] == ["--decoder-arg=depth=2", "--decoder-arg=max_depth=4"]
     with pytest.raises(BadInput, match="--trust-plugin"):
         recorded_sides({**header, "candidate": {"name": "x", "spec": "os:system"}}, trust_plugins=False)
-    with pytest.raises(BadInput, match="instrument"):
-        recorded_sides({**header, "candidate": {"name": "spec-instrument", "instrument": True}}, trust_plugins=True)
+
+
+def test_an_instrument_is_retimed_with_its_untimed_preparation(tmp_path):
+    """An instrument makes no scored claim, but its ratio is reproducible: the candidate's worker
+    gets the same untimed per-prompt preparation ``harness time`` gives it, and only it."""
+    stream = run_harness(tmp_path / "inst", "spec-instrument", limit=2, n=N, legs=LEGS)
+    result, doc = run_retime(stream, "--prompts", "2")
+    assert result.exit_code == 0, result.output
+    assert doc["candidate"]["instrument"] is True and "instrument: never scored" in result.stdout
+    assert all(e["exact"] for e in doc["prompts"]) and not findings(doc, "ratio-not-reproduced")
+
+
+def test_the_worker_refuses_to_prepare_a_decoder_that_is_not_an_instrument():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "harness.worker", "--model", "tiny", "--device", "cpu",
+                           "--decoder", "fast-serial"],
+                          input=json.dumps({"prepare_prompt": [1, 2, 3], "max_new_tokens": 4}) + "\n",
+                          capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0]["ready"] is True
+    assert "not an instrument" in lines[1]["error"]
 
 
 @pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids"),
