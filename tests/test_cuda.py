@@ -159,7 +159,13 @@ def test_drafter_graphs_equal_the_same_drafter_eager(models):
         got = [int(t) for t in graphed.draft(rows_h, rows_t, depth)]
         want = [int(t) for t in eager.draft(rows_h, rows_t, depth)]
         assert got == want, (m, depth)
-        assert torch.equal(graphed.keys, eager.keys) and torch.equal(graphed.values, eager.values), (m, depth)
+        # the rows written since the prefill: the caught-up rows and the chained steps' rows; rows
+        # past them are scratch (graph capture's warm-ups write there at construction, and
+        # attention never reads a row before it is written again)
+        live = graphed.filled + depth - 1
+        assert graphed.filled == eager.filled
+        assert torch.equal(graphed.keys[:, :, :live], eager.keys[:, :, :live]), (m, depth)
+        assert torch.equal(graphed.values[:, :, :live], eager.values[:, :, :live]), (m, depth)
         assert torch.equal(graphed.in_hidden, eager.in_hidden)
         pos += m
         seen.update(got)
