@@ -4,6 +4,7 @@ replay device, loading the replay model, every replay-free finding, and writing 
 from __future__ import annotations
 
 import hashlib
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,12 @@ def reference_prompts(header: dict, model, count: int):
         corpus = parse_corpus_spec(spec)
         if corpus is not None and corpus[1] > MAX_REBUILT_PROMPTS:
             return f"prompt set {source!r} has more than {MAX_REBUILT_PROMPTS} prompts: its sha256 is not checked"
+        versions = header.get("versions")
+        recorded = versions.get("python") if isinstance(versions, dict) else None
+        if corpus is not None and recorded != platform.python_version():
+            # the snippets are cut from the running Python's standard library, which differs between versions
+            return (f"prompt set {source!r} is cut from the Python standard library, recorded under Python "
+                    f"{recorded}, here {platform.python_version()}: its sha256 is not checked")
         if not source.startswith("builtin:") and not Path(spec).is_file():
             return f"prompt file {source!r} is not on this machine: its sha256 is not checked"
         prompts, rebuilt = load_prompts(spec, model, count)

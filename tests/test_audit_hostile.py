@@ -188,6 +188,24 @@ def test_header_prompt_count_inconsistent(stream):
     assert (f["header_count"], f["records"]) == (1, 2)
 
 
+def test_a_stdlib_set_recorded_under_another_python_is_not_rebuilt(tiny):
+    """stdlib-* snippets are cut from the running Python's standard library: under another Python
+    version the set cannot be rebuilt, so its sha256 is a warning, not a failure; under the same
+    version a tampered record is still caught."""
+    from audit.pipeline import reference_prompts
+
+    header = {"prompts": {"source": "builtin:stdlib-heldout:2"}, "versions": {"python": "0.0.0"}}
+    why = reference_prompts(header, tiny, 2)
+    assert isinstance(why, str) and "Python standard library" in why and "0.0.0" in why
+    (f,) = checks.check_prompt_set({"prompts": {"count": 0}}, [], why)
+    assert f["severity"] == "warn"
+    import platform
+
+    header["versions"]["python"] = platform.python_version()
+    prompts, info = reference_prompts(header, tiny, 2)
+    assert len(prompts) == 2 and info["source"] == "builtin:stdlib-heldout:2"
+
+
 def test_prompt_token_ids_not_the_named_set(stream):
     def swap(recs):
         p = next(r for r in recs if r["type"] == "prompt")
