@@ -72,7 +72,8 @@ class Decoder(Protocol):
         """Settings that define this decoder's behaviour, recorded in the run header."""
 
     # Optional, for benchmark instruments only (``instrument = True``, never scored by the audit):
-    # ``prepare_prompt(prompt_ids, max_new_tokens)`` is called untimed before a prompt's legs.
+    # ``prepare_prompt(prompt_ids, max_new_tokens)``, which the harness calls untimed before a
+    # prompt's legs for an instrument and for nothing else.
 
 
 def stop_index(tokens: list[int], eos: tuple[int, ...] | set[int], limit: int) -> int:
