@@ -133,7 +133,7 @@ class AtomicJsonlWriter:
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
-        os.replace(self.tmp, self.path)
+        publish(self.tmp, self.path)
         self.committed = True
 
     def abort(self) -> None:
@@ -150,6 +150,15 @@ class AtomicJsonlWriter:
         return False
 
 
+def publish(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary file into place, with the permissions a plain ``open`` would
+    have given it (``mkstemp`` creates it readable by its owner only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +169,7 @@ def write_json_atomic(path: Path, obj) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        publish(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

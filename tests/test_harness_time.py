@@ -375,3 +375,20 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     assert stderr.strip().splitlines()[-1] == "error: stopped by SIGTERM; nothing was written"
     assert "Traceback" not in stderr
     assert leftovers(out) == []
+
+
+def test_written_files_get_the_permissions_of_a_plain_open(tmp_path):
+    """The atomic writers start from ``mkstemp`` (owner-only); what they publish is readable as
+    any file the user writes."""
+    from core.schema import AtomicJsonlWriter, write_json_atomic
+
+    umask = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "doc.json", {"a": 1})
+        with AtomicJsonlWriter(tmp_path / "s.jsonl") as w:
+            w.write({"type": "header"})
+            w.commit()
+    finally:
+        os.umask(umask)
+    for name in ("doc.json", "s.jsonl"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644
