@@ -236,7 +236,8 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
     every replay-free finding computed. Returns (path, run, replay device, findings, model key,
     whether to replay it)."""
     from audit import checks
-    from audit.pipeline import check_prompt_ids, choose_device, file_findings, load_replay_model, model_spec_from_header, replay_device_json
+    from audit.pipeline import (check_prompt_ids, choose_device, file_findings, load_replay_model,
+                                model_spec_from_header, replay_device_json)
     from audit.stream import load_run
 
     run = load_run(path)

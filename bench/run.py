@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
