@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-import jsonlines
 import torch
 
 from core import determinism, dist
 from core.errors import UserError
 from core.models import device_name, load_model
-from core.schema import write_json_atomic
+from core.schema import jsonl_values, write_json_atomic
 
 from audit.checks import first_difference
 from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, greedy_and_top, logit_of,
@@ -104,32 +103,13 @@ def read_generations(path: Path, limit: int | None = None) -> list[Generation]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    lineno = 0
-
-    def numbered(fh):  # the reader takes one line per record: after a read, lineno is its line
-        nonlocal lineno
-        for lineno, line in enumerate(fh, start=1):
-            yield line
-
     gens: list[Generation] = []
-    records = 0
-    try:
-        with open(path, encoding="utf-8") as fh, jsonlines.Reader(numbered(fh)) as reader:
-            while limit is None or records < limit:
-                try:
-                    rec = reader.read(skip_empty=True)
-                except EOFError:
-                    break
-                records += 1
-                if not isinstance(rec, dict):
-                    raise UserError(f"{path} line {lineno}: not a JSON object")
-                gens += generations_of(rec, f"{path} line {lineno}", lineno)
-    except jsonlines.InvalidLineError as exc:
-        raise UserError(f"{path} line {exc.lineno}: not valid JSON") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    for records, (lineno, rec) in enumerate(jsonl_values(path), start=1):
+        if limit is not None and records > limit:
+            break
+        if not isinstance(rec, dict):
+            raise UserError(f"{path} line {lineno}: not a JSON object")
+        gens += generations_of(rec, f"{path} line {lineno}", lineno)
     if not gens:
         raise UserError(f"{path}: no generations")
     seen: dict[str, int] = {}

@@ -34,6 +34,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.schema import read_stream
+
 BASE = {
     "fast-serial": ["--decoder", "fast-serial"],
     "spec-naive": ["--decoder", "spec-naive"],
@@ -96,7 +98,7 @@ def row(name: str, where: Path) -> dict | None:
     if not audit_path.is_file() or not stream_path.is_file():
         return None
     audit = json.loads(audit_path.read_text())
-    records = [json.loads(line) for line in stream_path.read_text().splitlines()]
+    records, _ = read_stream(stream_path)
     header, legs = records[0], [r for r in records if r.get("type") == "leg"]
 
     def ms_per_token(role):

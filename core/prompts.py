@@ -27,6 +27,7 @@ import torch
 
 from core.errors import UserError
 from core.models import FIXTURES
+from core.schema import jsonl_values
 
 DEV_FILE = FIXTURES / "prompts" / "dev.jsonl"
 
@@ -105,17 +106,12 @@ def random_prompts(vocab: int, count: int = 8, length: int = 512, seed: int = 0,
             for i in range(count)]
 
 
-def parse_jsonl(path: Path) -> list[dict]:
+def parse_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a prompt file."""
     if not path.is_file():
         raise UserError(f"prompt file {str(path)!r} not found")
     entries = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+    for lineno, obj in jsonl_values(path, at=lambda n: f"{path}:{n}"):
         if not isinstance(obj, dict):
             raise UserError(f"{path}:{lineno}: each line must be a JSON object")
         entries.append((lineno, obj))

@@ -40,8 +40,11 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import jsonlines
+
+from core.errors import UserError
 
 SCHEMA = "qwen35-exact/stream/1"
 KNOWN_SCHEMAS = (SCHEMA,)
@@ -176,6 +179,36 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def jsonl_values(path: Path, at: Callable[[int], str] | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, value) for every non-blank line of a user's jsonl file (a prompt set, a file
+    of generations), read by ``jsonlines``; a line that is not JSON, text that is not UTF-8 or a
+    file that cannot be read is a UserError naming the file and the line (``at(lineno)``, by
+    default "PATH line N", the caller's own style of naming a line)."""
+    path = Path(path)
+    at = at or (lambda n: f"{path} line {n}")
+    lineno = 0
+
+    def numbered(fh):  # the reader takes one line per value: after a read, lineno is its line
+        nonlocal lineno
+        for lineno, line in enumerate(fh, start=1):
+            yield line
+
+    try:
+        with open(path, encoding="utf-8") as fh, jsonlines.Reader(numbered(fh)) as reader:
+            while True:
+                try:
+                    value = reader.read(skip_empty=True)
+                except EOFError:
+                    return
+                yield lineno, value
+    except jsonlines.InvalidLineError as exc:
+        raise UserError(f"{at(exc.lineno)}: not valid JSON") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def _reject_constant(name: str):
