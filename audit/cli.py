@@ -80,7 +80,7 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     benchmark costs one replay instead of K. Every file is read and checked for bad input before
     anything is replayed or written.
     """
-    from core.dist import quiet_rank, rank_prefix
+    from core.dist import quiet_rank, rank_prefix  # torch loads only when a command runs: --help stays fast
 
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
     try:
@@ -235,7 +235,7 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
     """One stream of a multi-stream audit: read, device-checked, its model loaded (or reused) and
     every replay-free finding computed. Returns (path, run, replay device, findings, model key,
     whether to replay it)."""
-    from audit import checks
+    from audit import checks  # torch loads only when a command runs: --help stays fast
     from audit.pipeline import (check_prompt_ids, choose_device, file_findings, load_replay_model,
                                 model_spec_from_header, replay_device_json)
     from audit.stream import load_run
@@ -256,7 +256,7 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
                   params: dict) -> int:
     """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``).
     Bad input in any file stops everything before a replay or a write."""
-    from audit.pipeline import pin_replay_environment
+    from audit.pipeline import pin_replay_environment  # torch loads only when a command runs
 
     pin_replay_environment()
     from core import dist

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 TOPK = 5
 
@@ -59,8 +60,6 @@ class PristineSerial:
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
-
         self.cache = DynamicCache(config=self.lm.config)
         ids = torch.tensor([prompt_ids], device=self.device)
         out = self.lm(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)

@@ -236,7 +236,7 @@ def default_store():
     """The store torchrun's rendezvous made (private API, stable for years); None if unavailable,
     and then a hang is only caught by the process group's own timeout."""
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
+        from torch.distributed.distributed_c10d import _get_default_store  # private: reached only under torchrun
 
         return _get_default_store()
     except Exception:  # noqa: BLE001 - progress reports are a convenience, never a requirement

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from core.errors import UserError
 from core.mtp import MTPHead
@@ -149,8 +152,6 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def read_tensors(files: list[Path], device: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -178,8 +179,6 @@ def split_weights(tensors: dict[str, torch.Tensor], layout: str):
 
 
 def load_checkpoint(path: Path, device: str) -> LoadedModel:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     text_cfg_dict, layout = read_checkpoint_config(path)
     files = checkpoint_files(path)
     try:
@@ -275,8 +274,6 @@ class TokenizerRef:
 
     def get(self):
         if self._tok is None:
-            from transformers import AutoTokenizer
-
             # transformers 5 builds an empty tokenizer (no vocabulary) from a directory without
             # tokenizer files instead of failing; every text would then encode to nothing.
             if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
@@ -293,8 +290,6 @@ class TokenizerRef:
 
 
 def build_synthetic_9b(device: str, seed: int = SYNTHETIC_SEED) -> LoadedModel:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     if not str(device).startswith("cuda"):
         raise UserError("synthetic-9b is built on a GPU and needs CUDA; on a CPU use --model tiny")
     config = Qwen3_5TextConfig(eos_token_id=list(SYNTHETIC_EOS))
@@ -376,6 +371,4 @@ def weights_fingerprint(*modules) -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return f"cpu ({platform.machine()})"

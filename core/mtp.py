@@ -24,6 +24,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
 
@@ -81,6 +82,4 @@ def causal_mask(cache, q_len: int, device) -> torch.Tensor | None:
 
 
 def new_mtp_cache(head: MTPHead):
-    from transformers import DynamicCache
-
     return DynamicCache(config=head.config)

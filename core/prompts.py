@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from core.corpus import collect
 from core.errors import UserError
 from core.models import FIXTURES
 from core.schema import jsonl_values
@@ -59,8 +60,6 @@ class Prompt:
 def corpus_prompts(split: str, count: int, chars: int = SNIPPET_CHARS) -> list[dict]:
     """``count`` snippets spread over a split's files (round-robin in path order), each starting at
     a line start chosen by a hash of (path, k): the same on every machine with the same stdlib."""
-    from core.corpus import collect
-
     files = [f for f in collect().split(split) if len(f.text) > 2 * chars]
     if not files:
         raise UserError(f"the standard library here has no {split}-split files to cut prompts from")

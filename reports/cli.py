@@ -47,7 +47,7 @@ def render_cmd(run_dir: Path, debug: bool):
     exactness and a histogram of the divergence margins; a directory holding only
     audit_tokens.json gets that report alone. The decoders' full configurations are in an appendix.
     """
-    from reports.render import render_run
+    from reports.render import render_run  # matplotlib loads only when a report is rendered: --help stays fast
 
     try:
         summary = render_run(run_dir)
