@@ -4,7 +4,7 @@ The exact runtime computes a window of w tokens in one pass, yet every logit mus
 to what the serial control computes one token at a time. That holds for an op batched over w
 rows only if the kernel the library picks for w rows computes each row exactly as it does for one
 row: true on an H200 for most GEMMs up to 16 rows, false for the 4096-wide RMSNorm mean from 2
-rows on in the deterministic configuration (FINDINGS.md). Those facts belong to a GPU, library
+rows on in the deterministic configuration (bench/NOTES.md). Those facts belong to a GPU, library
 build and shape, so they are measured here, at start-up, on the actual device, dtype and shapes
 (the model's own weight matrices, random activations), and the window batches only where proven
 and loops rows elsewhere. The findings go into the run header.
@@ -118,9 +118,8 @@ def _calibrate(model, max_rows: int, seed: int) -> Calibration:
 
     # Norms: batching one is exact iff its fp32 statistic is, since what follows is elementwise.
     # The statistic is compared in fp32, where any change of summation order shows in most rows;
-    # comparing the bf16 norm output instead hides all but ~1 in 10^4 of them, which is how a
-    # batched 4096-wide mean once passed a random trial and then flipped a real row (NOTES,
-    # 2026-11-30). Each is the exact call layers.py makes, on its exact shape and layout.
+    # comparing the bf16 norm output instead hides all but ~1 in 10^4 of them, so a kernel that
+    # flips a real row can pass. Each is the exact call layers.py makes, on its exact shape and layout.
     def mean_last(t):
         return t.mean(-1, keepdim=True)
 
