@@ -201,6 +201,36 @@ class WarmupCache:
                             DecodeStats(forwards=0 if hit else 1, extra={"cache_hit": hit}))
 
 
+class HashPrefixCache:
+    """Exact tokens: caches each stream under a hash of the prompt's first 8 tokens; a later decode
+    of that prompt is a lookup that sleeps 0.65x the computed decode's time, so later legs look
+    plausibly faster (under the warm-leg flag's factor) instead of suspiciously instant."""
+
+    name = "hash-prefix-cache"
+
+    def __init__(self):
+        self.model = None
+        self.cache: dict[int, tuple[list[int], float]] = {}
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+    def config(self) -> dict:
+        return {"cache": "keyed on a hash of the first 8 prompt tokens"}
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+        key = hash((tuple(prompt_ids[:8]), max_new_tokens))
+        if key in self.cache:
+            tokens, seconds = self.cache[key]
+            time.sleep(0.65 * seconds)
+            return DecodeResult(list(tokens), DecodeStats(extra={"cache_hit": True}))
+        t0 = time.perf_counter()
+        tokens, forwards = serial_tokens(self.model, list(prompt_ids), max_new_tokens)
+        self.cache[key] = (tokens, time.perf_counter() - t0)
+        return DecodeResult(list(tokens), DecodeStats(forwards=forwards, extra={"cache_hit": False}))
+
+
 class PreparePromptCache:
     """Not an instrument, yet computes each prompt's answer in ``prepare_prompt`` (which a harness
     calls untimed) and answers its decodes from it. ``calls`` logs ("prepare_prompt", ids) and

@@ -7,6 +7,7 @@ test restores what they touch before the audit replays (and before the next test
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -82,6 +83,26 @@ def test_warmup_cache_never_hits_the_timed_prompt(tmp_path, monkeypatch):
     result, doc = run_audit(stream)
     assert result.exit_code == 1, result.output
     assert doc["exact"] and len(findings(doc, "warm-leg", severity="fail")) == 2
+
+
+@pytest.mark.parametrize("decoder, legs", [("bad_decoders:WarmupCache", 1), ("bad_decoders:HashPrefixCache", 3)])
+def test_cached_later_legs_never_enter_the_ratio(tmp_path, monkeypatch, decoder, legs):
+    """A cache keyed on the prompt (or a hash of its first tokens) answers only legs after the
+    first; each prompt's ratio is the control's median over the candidate's leg 0, which had to
+    compute. With one leg the cache never answers a timed leg at all."""
+    monkeypatch.setattr(bad_decoders.WarmupCache, "calls", [])
+    stream = run_harness(tmp_path / "run", decoder, limit=2, n=16, legs=legs)
+    records = read_records(stream)
+    cand = [r for r in records if r["type"] == "leg" and r["role"] == "candidate"]
+    assert [r["stats"]["cache_hit"] for r in cand if r["leg"] == 0] == [False, False]
+    assert all(r["stats"]["cache_hit"] for r in cand if r["leg"] > 0)
+    result, doc = run_audit(stream)
+    assert doc["exact"], result.output
+    for p in doc["prompts"]:
+        walls = [r["wall_s"] for r in records if r["type"] == "leg" and r["prompt_id"] == p["id"]
+                 and r["role"] == "control"]
+        first = next(r["wall_s"] for r in cand if r["prompt_id"] == p["id"] and r["leg"] == 0)
+        assert p["ratio"] == pytest.approx(statistics.median(walls) / first, rel=1e-12)
 
 
 def test_prepare_prompt_is_for_instruments_only(tmp_path, monkeypatch):
