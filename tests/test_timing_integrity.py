@@ -126,6 +126,9 @@ def test_unmarked_oracle_instrument_gets_no_untimed_oracle(tmp_path, monkeypatch
     assert calls and all(inside for _, inside in calls)  # only ever from inside a decode
     assert [ids for ids, _ in calls] == [prompt["warmup_ids"], prompt["token_ids"]]  # warm-up, then leg 0
     assert records[0]["candidate"]["instrument"] is False
+    # leg 0 pays for the oracle (a whole decode) on top of its own: no speedup left to score
+    _, doc = run_audit(stream)
+    assert doc["exact"] and doc["score"] == 0.0
 
 
 def test_spec_instrument_still_gets_its_oracle(tmp_path):
