@@ -219,7 +219,11 @@ class MTPDrafter:
 
     def catch_up_chunks(self, m: int) -> list[int]:
         """How a catch-up of m rows is split: m itself where it has a graph, else the largest
-        graphed size that fits, repeatedly (so 65 rows -> 64 + 1)."""
+        graphed size that fits, repeatedly (so 65 rows -> 64 + 1). Run eagerly, any size up to the
+        static buffers' rows is one chunk: only a graph needs a fixed shape, and an eager head
+        forward of 64 rows costs little more than one of 8 (CPU), so each split adds a forward."""
+        if self.pool is None:
+            return split_rows(m, range(1, self.rows_token.shape[1] + 1))
         return split_rows(m, self._rows)
 
     def _catch_up(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
@@ -239,7 +243,9 @@ class MTPDrafter:
         self.rows_hidden[:, :m].copy_(hidden)
         self.rows_token[:, :m].copy_(tokens.view(1, m))
         self.rows_pos[:m].copy_(self._arange[start:start + m])
-        self._run(self._rows[m], start)
+        # eager (no graphs), a size without a graph gets its segments made for this call
+        graphed = self._rows.get(m) or self._graphed(self._catch_up_segments(m))
+        self._run(graphed, start)
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""

@@ -24,10 +24,22 @@ at ``explore_first`` rounds and doubles after each probe up to ``explore_every``
 short whenever drafting resumes: one unlucky miss early in a decode then costs a few plain steps,
 not ``explore_every`` of them, while at zero acceptance the probes soon come only every
 ``explore_every`` steps, each one draft and one 2-row window (~0.2% at 64 on the 9B shape: a 2-row
-window costs ~1.13 steps).
+window costs ~1.13 steps). A probe is also priced: its expected loss against the plain step it
+replaces,
+
+  L = T(1) - (1 + a_1) * T(0)
+
+may take at most ``explore_share`` of the run of plain steps before it, so the run lasts at least
+L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a probe can hardly pay (a CPU,
+where a 2-row window and a head step cost ~1.7 steps, with a head that predicts little) probes
+come rarely from the start; where it costs a fraction of a step (the GPU) the doubling run rules.
+
+Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
+drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -100,6 +112,7 @@ class DepthPolicy:
     forget: float = 0.97  # per-round decay of old observations
     explore_every: int = 64  # the longest run of depth-0 rounds between probes
     explore_first: int = 8  # the first such run (it doubles after each probe)
+    explore_share: float = 0.015  # the most a probe's expected loss may be of the plain run before it
     fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
     online: bool = True  # trade on measured round times (``observe``); False: on ``costs`` alone
     times: RoundTimes | None = None
@@ -108,6 +121,8 @@ class DepthPolicy:
     zero_run: int = 0
     explore_gap: int = 0  # depth-0 rounds before the next probe (0: explore_first)
     _best: int | None = field(default=None, repr=False, compare=False)
+    # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
+    _drafting: tuple[float, int] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -117,6 +132,8 @@ class DepthPolicy:
             raise ValueError(f"no measured verify cost for window sizes {missing}")
         if self.explore_every < 1 or self.explore_first < 1:
             raise ValueError("explore_every and explore_first must be >= 1")
+        if not self.explore_share > 0:
+            raise ValueError("explore_share must be > 0")
         if self.fixed is not None and not 0 <= self.fixed <= self.max_depth:
             raise ValueError(f"fixed depth {self.fixed} outside 0..{self.max_depth}")
         if not self.hits:
@@ -148,18 +165,31 @@ class DepthPolicy:
             return self.times.times()
         return [self.costs.round_time(d) for d in range(self.max_depth + 1)]
 
+    def step_time(self) -> float:
+        """Seconds of a plain step as priced now (``round_times()[0]``, without the list)."""
+        return self.times.estimate[0] if self.online else self.costs.step
+
     def best_depth(self) -> int:
         # only update() and observe() change the answer; caching it keeps a round's host work (which
-        # the GPU waits for) to a few attribute reads in between
+        # the GPU waits for) to a few attribute reads in between. A plain round's observe() moves
+        # only depth 0's time, so the drafting depths' best rate stays cached across plain rounds
         if self._best is None:
-            times, total, run, accept = self.round_times(), 1.0, 1.0, self.accept
-            rates = [(1.0 / times[0], 0)]
-            for d in range(1, self.max_depth + 1):
-                run *= accept[d - 1]
-                total += run  # = expected_tokens(d)
-                rates.append((total / times[d], -d))
-            self._best = -max(rates)[1]
+            if self._drafting is None:
+                times, total, run, accept = self.round_times(), 1.0, 1.0, self.accept
+                self._drafting = (float("-inf"), 0)
+                for d in range(1, self.max_depth + 1):
+                    run *= accept[d - 1]
+                    total += run  # = expected_tokens(d)
+                    self._drafting = max(self._drafting, (total / times[d], -d))
+            self._best = -max((1.0 / self.step_time(), 0), self._drafting)[1]
         return self._best
+
+    def probe_wait(self) -> int:
+        """Plain rounds before a probe may come, by its price: L / (explore_share * T(0)) with
+        L = T(1) - (1 + a_1) * T(0), the probe's expected loss (0 when a probe is expected to pay)."""
+        step = self.step_time()
+        loss = self.round_times()[1] - (1.0 + self.accept[0]) * step
+        return max(0, math.ceil(loss / (self.explore_share * step)))
 
     def choose(self) -> int:
         if self.fixed is not None:
@@ -168,9 +198,10 @@ class DepthPolicy:
         if d == 0 and self.max_depth > 0:
             self.zero_run += 1
             gap = min(self.explore_gap or self.explore_first, self.explore_every)
-            if self.zero_run >= gap:
+            # the price is read only once the doubling run is done: plain rounds stay a few reads
+            if self.zero_run >= gap and self.zero_run >= min(self.probe_wait(), self.explore_every):
+                self.explore_gap = min(2 * self.zero_run, self.explore_every)
                 self.zero_run = 0
-                self.explore_gap = min(2 * gap, self.explore_every)
                 return 1
             return 0
         self.zero_run = 0
@@ -181,7 +212,7 @@ class DepthPolicy:
         """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
-        self._best = None
+        self._best = self._drafting = None
         self.hits = [h * self.forget for h in self.hits]
         self.trials = [t * self.forget for t in self.trials]
         for k in range(min(accepted + 1, depth)):  # drafts 1..accepted+1 were observed
@@ -193,6 +224,8 @@ class DepthPolicy:
         if self.online and self.fixed is None:
             self.times.observe(depth, seconds)
             self._best = None
+            if depth > 0:
+                self._drafting = None
 
     def state(self) -> dict:
         return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth(),

@@ -1,4 +1,5 @@
 """Adaptive depth, driven through its states with synthetic acceptance and costs."""
+import math
 import random
 
 import pytest
@@ -227,3 +228,49 @@ def test_costs_from_reps_take_each_ops_fastest_rep():
     costs = Costs.from_reps(reps)
     assert costs == Costs(step=2.0, draft=0.4, verify={1: 2.9, 2: 3.3})
     assert costs.round_time(1) == 0.4 + 3.3
+
+
+# --------------------------------------------------------------------------- probe price, plain rounds
+
+# Shaped like `spec`'s start-up costs for `tiny` on one CPU thread: a 2-row window 1.4 steps, a head
+# step 0.3 steps, so a depth-1 round pays only above ~70% acceptance.
+TINY_CPU = Costs(step=1.3e-3, draft=0.4e-3, verify={w: 1.3e-3 * (1 + 0.4 * (w - 1)) for w in range(1, 8)})
+
+
+def test_probe_waits_by_its_expected_loss():
+    p = DepthPolicy(TINY_CPU, max_depth=6)
+    step, t1, a1 = TINY_CPU.step, TINY_CPU.round_time(1), p.accept[0]
+    assert p.probe_wait() == math.ceil((t1 - (1 + a1) * step) / (p.explore_share * step))
+    assert p.probe_wait() > p.explore_first
+    depths = [p.choose() for _ in range(p.probe_wait())]
+    assert depths == [0] * (len(depths) - 1) + [1]  # the priced wait, not explore_first
+    # a probe expected to pay (its window costs less than the tokens it yields) waits for nothing
+    assert DepthPolicy(GPU, max_depth=6, prior=0.5).probe_wait() == 0
+
+
+def test_probes_that_cannot_pay_stay_under_their_share():
+    p = DepthPolicy(TINY_CPU, max_depth=6, explore_every=64)
+    depths = drive(p, 0.0, 2000)
+    probes = sum(1 for d in depths if d > 0)
+    loss = probes * (TINY_CPU.round_time(1) - TINY_CPU.step)
+    assert loss < 2 * p.explore_share * len(depths) * TINY_CPU.step
+    assert sum(1 for d in depths[:64] if d > 0) <= 1  # one probe at most in a 64-token decode
+    with pytest.raises(ValueError):
+        DepthPolicy(GPU, max_depth=6, explore_share=0.0)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 0.95])
+def test_cached_choice_equals_a_fresh_one_after_plain_rounds(alpha):
+    """A plain round re-prices depth 0 only; the choice must equal the one computed from scratch."""
+    rng = random.Random(7)
+    p = DepthPolicy(STARTUP, max_depth=6)
+    for i in range(300):
+        d = p.choose()
+        j = 0
+        while j < d and rng.random() < alpha:
+            j += 1
+        if d:
+            p.update(d, j)
+        p.observe(d, STARTUP.round_time(d) * (0.8 + 0.6 * rng.random()))
+        fresh = DepthPolicy(STARTUP, max_depth=6, times=p.times, hits=list(p.hits), trials=list(p.trials))
+        assert p.best_depth() == fresh.best_depth(), i
