@@ -68,21 +68,27 @@ class RoundTimes:
     max_depth: int
     prior_rounds: float = 3.0  # how many measured rounds the start-up cost is worth
     horizon: float = 16.0  # rounds the moving average spans once past the prior
+    # a round counts as at most this multiple of its depth's estimate: on a CPU one interrupted
+    # plain step (another process, a page fault) would otherwise lift T(0) past a drafting depth's
+    # price, and the policy would draft where it cannot pay; a lasting change still gets through
+    outlier: float = 2.0
     estimate: list[float] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)  # measured rounds per depth
 
     def __post_init__(self):
-        if self.prior_rounds < 0 or self.horizon < 1:
-            raise ValueError("prior_rounds must be >= 0 and horizon >= 1")
+        if self.prior_rounds < 0 or self.horizon < 1 or not self.outlier > 1:
+            raise ValueError("prior_rounds must be >= 0, horizon >= 1 and outlier > 1")
         if not self.estimate:
             self.estimate = [self.costs.round_time(d) for d in range(self.max_depth + 1)]
             self.rounds = [0] * (self.max_depth + 1)
 
     def observe(self, depth: int, seconds: float) -> None:
         """One measured round of ``depth``: the estimate moves 1/(rounds + prior_rounds) of the
-        way to it (1/horizon at most), so the prior fades like an average's first terms."""
+        way to it (1/horizon at most), so the prior fades like an average's first terms; a round
+        slower than ``outlier`` times the estimate counts as that much."""
         if not 0 <= depth <= self.max_depth or not seconds > 0:
             raise ValueError(f"observe({depth}, {seconds}) out of range")
+        seconds = min(seconds, self.outlier * self.estimate[depth])
         self.rounds[depth] += 1
         rate = 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
         self.estimate[depth] += rate * (seconds - self.estimate[depth])

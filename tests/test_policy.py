@@ -274,3 +274,21 @@ def test_cached_choice_equals_a_fresh_one_after_plain_rounds(alpha):
         p.observe(d, STARTUP.round_time(d) * (0.8 + 0.6 * rng.random()))
         fresh = DepthPolicy(STARTUP, max_depth=6, times=p.times, hits=list(p.hits), trials=list(p.trials))
         assert p.best_depth() == fresh.best_depth(), i
+
+
+def test_one_interrupted_plain_step_does_not_turn_drafting_on():
+    """On tiny's CPU costs depth 1 pays only once a plain step costs > 1.3x its price; one step
+    slowed 20x by another process must not reprice depth 0 that far, a lasting change must."""
+    for rounds_before in (0, 1, 5, 40):
+        p = DepthPolicy(TINY_CPU, max_depth=6)
+        for _ in range(rounds_before):
+            p.observe(0, TINY_CPU.step)
+        assert p.best_depth() == 0
+        p.observe(0, 20 * TINY_CPU.step)
+        assert p.best_depth() == 0 and p.times.times()[0] <= 1.25 * TINY_CPU.step, rounds_before
+    p = DepthPolicy(TINY_CPU, max_depth=6)
+    for _ in range(40):
+        p.observe(0, 3 * TINY_CPU.step)  # a lasting slowdown of the plain step is followed
+    assert p.times.times()[0] == pytest.approx(3 * TINY_CPU.step, rel=0.05)
+    with pytest.raises(ValueError):
+        RoundTimes(TINY_CPU, max_depth=6, outlier=1.0)
