@@ -19,20 +19,23 @@ a_k estimates P(draft k accepted | drafts 1..k-1 accepted) from observed drafts 
 the first rejection are never seen): hits and trials per depth, decayed by ``forget`` per round so
 that it follows the text, with ``strength`` pseudo-observations of a prior (``prior`` for depth 1,
 depth k-1's estimate for depth k) so that one round moves it quickly but not all the way. When depth 0 wins it keeps
-winning without new evidence, so after a run of depth-0 rounds it probes depth 1. The run starts
+winning without new evidence, so after a run of depth-0 rounds it probes depth 1: ``choose()``
+returns 1 with ``probing`` set, and the caller drafts one token beside a plain step and reports
+whether the step's token equals it (``update(1, hit)``), so a probe never costs a verify window,
+only the draft. The run starts
 at ``explore_first`` rounds and doubles after each probe up to ``explore_every``, and starts again
-short whenever drafting resumes: one unlucky miss early in a decode then costs a few plain steps,
+short whenever drafting resumes or a draft is accepted: one unlucky miss early in a decode then costs a few plain steps,
 not ``explore_every`` of them, while at zero acceptance the probes soon come only every
-``explore_every`` steps, each one draft and one 2-row window (~0.2% at 64 on the 9B shape: a 2-row
-window costs ~1.13 steps). A probe is also priced: its expected loss against the plain step it
-replaces,
+``explore_every`` steps. A probe is also priced: its loss
 
-  L = T(1) - (1 + a_1) * T(0)
+  L = min(c_draft, max(0, T(1) - (1 + a_1) * T(0)))
 
-may take at most ``explore_share`` of the run of plain steps before it, so the run lasts at least
-L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a probe can hardly pay (a CPU,
-where a 2-row window and a head step cost ~1.7 steps, with a head that predicts little) probes
-come rarely from the start; where it costs a fraction of a step (the GPU) the doubling run rules.
+(its draft, the step beside it being what depth 0 costs anyway; less when a depth-1 round is
+expected to come close to paying, so a head near paying is probed soon) may take at most
+``explore_share`` of the run of plain steps before it: the run lasts at least
+L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a head step is dear against a
+step (a CPU: ~0.3 steps on tiny) the first probe waits past ``explore_first``; where it is cheap
+(the GPU: ~0.05 steps) the doubling run rules.
 
 Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
 drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do).
@@ -118,13 +121,14 @@ class DepthPolicy:
     forget: float = 0.97  # per-round decay of old observations
     explore_every: int = 64  # the longest run of depth-0 rounds between probes
     explore_first: int = 8  # the first such run (it doubles after each probe)
-    explore_share: float = 0.015  # the most a probe's expected loss may be of the plain run before it
+    explore_share: float = 0.01  # the most a probe's draft may cost of the plain run before it
     fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
     online: bool = True  # trade on measured round times (``observe``); False: on ``costs`` alone
     times: RoundTimes | None = None
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     zero_run: int = 0
+    probing: bool = False  # the last choose() was a probe: draft 1 beside a plain step, no window
     explore_gap: int = 0  # depth-0 rounds before the next probe (0: explore_first)
     _best: int | None = field(default=None, repr=False, compare=False)
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
@@ -191,13 +195,14 @@ class DepthPolicy:
         return self._best
 
     def probe_wait(self) -> int:
-        """Plain rounds before a probe may come, by its price: L / (explore_share * T(0)) with
-        L = T(1) - (1 + a_1) * T(0), the probe's expected loss (0 when a probe is expected to pay)."""
+        """Plain rounds before a probe may come, by its price: L / (explore_share * T(0))."""
         step = self.step_time()
-        loss = self.round_times()[1] - (1.0 + self.accept[0]) * step
-        return max(0, math.ceil(loss / (self.explore_share * step)))
+        loss = min(self.costs.draft, max(0.0, self.round_times()[1] - (1.0 + self.accept[0]) * step))
+        return math.ceil(loss / (self.explore_share * step))
 
     def choose(self) -> int:
+        """The next round's depth; 1 with ``probing`` set for a probe (see the module docstring)."""
+        self.probing = False
         if self.fixed is not None:
             return self.fixed
         d = self.best_depth()
@@ -208,6 +213,7 @@ class DepthPolicy:
             if self.zero_run >= gap and self.zero_run >= min(self.probe_wait(), self.explore_every):
                 self.explore_gap = min(2 * self.zero_run, self.explore_every)
                 self.zero_run = 0
+                self.probing = True
                 return 1
             return 0
         self.zero_run = 0
@@ -219,6 +225,8 @@ class DepthPolicy:
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
         self._best = self._drafting = None
+        if accepted:  # evidence that the head predicts: the probe runs start short again
+            self.explore_gap = 0
         self.hits = [h * self.forget for h in self.hits]
         self.trials = [t * self.forget for t in self.trials]
         for k in range(min(accepted + 1, depth)):  # drafts 1..accepted+1 were observed

@@ -1,6 +1,9 @@
 """``spec``: exact speculative decoding with the MTP head on the exact runtime.
 
-Each round: the policy picks a depth d. d = 0 is a plain exact step. Otherwise the drafter
+Each round: the policy picks a depth d. d = 0 is a plain exact step; a probe (the policy's test
+of the head after a run of plain steps) is a plain step beside which the head drafts one token,
+counted as accepted when the step emits it: no window, so a head that cannot pay costs only the
+draft. Otherwise the drafter
 catches its head up on the rows since the last round and chains d drafts; the runtime verifies
 [y, d_1..d_d] in one bit-exact window; the longest agreeing prefix plus the model's own next
 token is kept; the runtime rolls back to the state captured at the last kept row. Every emitted
@@ -21,7 +24,8 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
 
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
-catch-up covers every row since the last draft, a cost of resuming drafting, not of a round.
+catch-up covers every row since the last draft, a cost of resuming drafting, not of a round. A
+probe's step is timed as a plain step, from the end of its draft.
 """
 from __future__ import annotations
 
@@ -214,7 +218,7 @@ class SpecDecoder:
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy()
         timer = PhaseTimer(self.model.device)
-        stats = DecodeStats(extra={"depth_trace": []})
+        stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
         with timer.phase("other"):
             pending = self._prefill(prompt_ids)
             tokens = [int(pending.y.item())]
@@ -222,6 +226,9 @@ class SpecDecoder:
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
+            draft = self._probe(pending, len(tokens), timer) if policy.probing else None
+            if draft is not None:  # a probe is a plain step with a draft beside it: the step alone is timed
+                depth, last = 0, time.perf_counter()
             stats.extra["depth_trace"].append(depth)
             if depth == 0:
                 new = self._plain_step(pending, timer)
@@ -232,6 +239,11 @@ class SpecDecoder:
             now = time.perf_counter()  # the round's tokens were just read: a sync point
             if depth == 0 or drafting:
                 policy.observe(depth, now - last)
+            if draft is not None:
+                hit = int(draft.item()) == new[0]
+                policy.update(1, int(hit))
+                stats.extra["probes"] += 1
+                stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
             stats.forwards += 1
             tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
@@ -253,6 +265,14 @@ class SpecDecoder:
         pending.hidden.append(prog.ws["hidden"].clone())
         pending.tokens.append(pending.y)
         return [int(pending.y.item())]
+
+    def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:
+        """Catch the head up on the pending rows and draft the token after ``pending.y`` [1,1];
+        the rows are then the head's, and the next step's row starts a new pending run."""
+        with timer.phase("draft"):
+            draft = self.propose(self.drafter.draft(joined(pending.hidden), joined(pending.tokens), 1), emitted)[0]
+        pending.hidden, pending.tokens = [], []
+        return draft
 
     def _spec_round(self, pending: Pending, depth: int, emitted: int, timer: PhaseTimer) -> list[int]:
         """Draft ``depth`` tokens, verify [y, drafts] in one window, keep the accepted prefix and

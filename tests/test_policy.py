@@ -240,10 +240,14 @@ TINY_CPU = Costs(step=1.3e-3, draft=0.4e-3, verify={w: 1.3e-3 * (1 + 0.4 * (w - 
 def test_probe_waits_by_its_expected_loss():
     p = DepthPolicy(TINY_CPU, max_depth=6)
     step, t1, a1 = TINY_CPU.step, TINY_CPU.round_time(1), p.accept[0]
-    assert p.probe_wait() == math.ceil((t1 - (1 + a1) * step) / (p.explore_share * step))
+    assert p.probe_wait() == math.ceil(min(TINY_CPU.draft, t1 - (1 + a1) * step) / (p.explore_share * step))
     assert p.probe_wait() > p.explore_first
     depths = [p.choose() for _ in range(p.probe_wait())]
     assert depths == [0] * (len(depths) - 1) + [1]  # the priced wait, not explore_first
+    assert p.probing and p.choose() == 0 and not p.probing
+    # a head near paying (a_1 close to T(1) / T(0) - 1) is probed as soon as the doubling run allows
+    near = DepthPolicy(TINY_CPU, max_depth=6, prior=0.65)
+    assert near.probe_wait() < p.explore_first
     # a probe expected to pay (its window costs less than the tokens it yields) waits for nothing
     assert DepthPolicy(GPU, max_depth=6, prior=0.5).probe_wait() == 0
 
@@ -252,7 +256,7 @@ def test_probes_that_cannot_pay_stay_under_their_share():
     p = DepthPolicy(TINY_CPU, max_depth=6, explore_every=64)
     depths = drive(p, 0.0, 2000)
     probes = sum(1 for d in depths if d > 0)
-    loss = probes * (TINY_CPU.round_time(1) - TINY_CPU.step)
+    loss = probes * TINY_CPU.draft  # a probe drafts beside a plain step
     assert loss < 2 * p.explore_share * len(depths) * TINY_CPU.step
     assert sum(1 for d in depths[:64] if d > 0) <= 1  # one probe at most in a 64-token decode
     with pytest.raises(ValueError):

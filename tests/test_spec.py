@@ -168,3 +168,28 @@ def test_rounds_are_timed_online_unless_switched_off(tiny, prompts):
             assert sum(timed) == 0
     with pytest.raises(ValueError):
         SpecDecoder(online_costs="yes")
+
+
+# CPU-shaped costs for tiny: a depth-1 round pays only above ~70% acceptance, so a fresh policy
+# starts on plain steps and probes the head after its priced wait
+PLAIN_FIRST = Costs(step=1.0, draft=0.3, verify={w: 1 + 0.4 * (w - 1) for w in range(1, 8)})
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_probes_draft_beside_plain_steps(tiny, serial, prompts, alpha):
+    """A probe is a plain step (depth 0 in the trace, timed as one) with one draft beside it, no
+    window: a head that cannot pay costs only the draft; one that can resumes drafting."""
+    dec = InstrumentedSpecDecoder(alpha=alpha, max_depth=3, online_costs=False)
+    dec.prepare(tiny)
+    dec.costs = PLAIN_FIRST
+    wait = dec.new_policy().probe_wait()
+    n = wait + 40
+    res = assert_exact(dec, serial, prompts[:1], n)
+    stats = res.stats.to_json()
+    trace = stats["depth_trace"]
+    assert trace[:wait] == [0] * wait and stats["probes"] >= 1
+    if alpha == 0.0:  # every probe missed: no verify window was ever run
+        assert set(trace) == {0} and stats["probe_hits"] == 0 and stats["drafted"] == 0
+        assert stats["forwards"] == len(res.tokens) and stats["accept_hist"] == {}
+    else:  # every probe hits, the runs between them shorten, and drafting takes over
+        assert stats["probe_hits"] == stats["probes"] and stats["accepted"] > 0 and trace[-1] > 0
