@@ -31,7 +31,9 @@ not ``explore_every`` of them, while at zero acceptance the probes soon come onl
   L = min(c_draft, max(0, T(1) - (1 + a_1) * T(0)))
 
 (its draft, the step beside it being what depth 0 costs anyway; less when a depth-1 round is
-expected to come close to paying, so a head near paying is probed soon) may take at most
+expected to come close to paying, so a head near paying is probed soon), plus ``c_head_prefill``
+while nothing has been drafted (the decode's first draft also makes the head's prompt rows,
+which a decode that never drafts skips), may take at most
 ``explore_share`` of the run of plain steps before it: the run lasts at least
 L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a head step is dear against a
 step (a CPU: ~0.3 steps on tiny) the first probe waits past ``explore_first``; where it is cheap
@@ -51,6 +53,7 @@ class Costs:
     step: float  # seconds of a plain (fast-serial) step
     draft: float  # seconds of one chained head step
     verify: dict[int, float]  # window rows -> seconds
+    head_prefill: float = 0.0  # seconds of the head's rows for a prompt (a decode's first draft makes them)
 
     def round_time(self, depth: int) -> float:
         return self.step if depth == 0 else depth * self.draft + self.verify[depth + 1]
@@ -58,9 +61,11 @@ class Costs:
     @classmethod
     def from_reps(cls, reps: dict) -> "Costs":
         """The fastest of each op's timed reps, from ``{"step": [..], "draft": [..],
-        "verify": {w: [..]}}`` (window keys may be JSON strings)."""
+        "verify": {w: [..]}, "head_prefill": [..]}`` (window keys may be JSON strings; no
+        head_prefill reps: 0)."""
         return cls(step=min(reps["step"]), draft=min(reps["draft"]),
-                   verify={int(w): min(v) for w, v in reps["verify"].items()})
+                   verify={int(w): min(v) for w, v in reps["verify"].items()},
+                   head_prefill=min(reps.get("head_prefill") or [0.0]))
 
 
 @dataclass
@@ -129,6 +134,7 @@ class DepthPolicy:
     trials: list[float] = field(default_factory=list)
     zero_run: int = 0
     probing: bool = False  # the last choose() was a probe: draft 1 beside a plain step, no window
+    drafted: bool = False  # a draft was made (``update``): the head has its prompt rows
     explore_gap: int = 0  # depth-0 rounds before the next probe (0: explore_first)
     _best: int | None = field(default=None, repr=False, compare=False)
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
@@ -198,6 +204,8 @@ class DepthPolicy:
         """Plain rounds before a probe may come, by its price: L / (explore_share * T(0))."""
         step = self.step_time()
         loss = min(self.costs.draft, max(0.0, self.round_times()[1] - (1.0 + self.accept[0]) * step))
+        if not self.drafted:
+            loss += self.costs.head_prefill
         return math.ceil(loss / (self.explore_share * step))
 
     def choose(self) -> int:
@@ -225,6 +233,7 @@ class DepthPolicy:
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
         self._best = self._drafting = None
+        self.drafted = True
         if accepted:  # evidence that the head predicts: the probe runs start short again
             self.explore_gap = 0
         self.hits = [h * self.forget for h in self.hits]

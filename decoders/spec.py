@@ -102,6 +102,8 @@ class Pending:
         self.tokens = torch.empty(1, rows, dtype=torch.long, device=device)
         self.n = 0
         self.y = self.tokens[:, :1]
+        # (hidden [1,P,H], prompt ids): the head's prompt rows, made by the decode's first draft
+        self.prompt: tuple[torch.Tensor, list[int]] | None = None
 
     def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """The pending rows become these m rows ([1,m,H], [1,m]); y their last token."""
@@ -181,8 +183,9 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def measure_costs(self, reps: int = 7) -> dict:
-        """Seconds of a plain step, a chained head step and each verify window, on this device,
-        now, every rep kept: ``{"step": [..], "draft": [..], "verify": {w: [..]}}``
+        """Seconds of a plain step, a chained head step, each verify window and the head's rows for
+        a 16-token prompt, on this device, now, every rep kept: ``{"step": [..], "draft": [..],
+        "verify": {w: [..]}, "head_prefill": [..]}``
         (``Costs.from_reps`` reduces them). Timed in interleaved rounds (each round times every op
         once): a busy spell on a shared CPU then slows one round of every op, not every rep of one
         op, so the ratios between ops that the policy trades on stay right in the fastest round."""
@@ -194,7 +197,9 @@ class SpecDecoder:
         dr.draft(hidden[:, -1:], tok, 1)  # the last prompt row: leaves a chained step's inputs live
         blocks = {w: tok.expand(1, w).contiguous() for w in range(1, self.max_depth + 2)}
         # steps commit (one position each, well within capacity); windows are never accepted
+        # head_prefill rewrites the prompt's head rows (the chained step's inputs stay live)
         ops = {"step": lambda: rt.step(tok), "draft": lambda: dr.chained_step(dr.filled),
+               "head_prefill": lambda: dr.prefill(hidden, prompt),
                **{w: (lambda b=b: rt.verify(b)) for w, b in blocks.items()}}
         times: dict = {name: [] for name in ops}
         for _ in range(reps):
@@ -205,7 +210,8 @@ class SpecDecoder:
                 sync(dev)
                 times[name].append(time.perf_counter() - t0)
         rt.reset()
-        return {"step": times["step"], "draft": times["draft"], "verify": {w: times[w] for w in blocks}}
+        return {"step": times["step"], "draft": times["draft"], "verify": {w: times[w] for w in blocks},
+                "head_prefill": times["head_prefill"]}
 
     def config(self) -> dict:
         cfg = {"max_depth": self.max_depth, "depth": self.fixed, "head": self.head_dir,
@@ -219,10 +225,12 @@ class SpecDecoder:
             cfg["calibration"] = self.runtime.cal.to_json()
         if self.costs is not None:
             cfg["costs_s"] = {"step": self.costs.step, "draft": self.costs.draft,
-                              "verify": {str(k): v for k, v in self.costs.verify.items()}}
+                              "verify": {str(k): v for k, v in self.costs.verify.items()},
+                              "head_prefill": self.costs.head_prefill}
         if self.cost_reps is not None:
             cfg["cost_reps_s"] = {"step": list(self.cost_reps["step"]), "draft": list(self.cost_reps["draft"]),
-                                  "verify": {str(k): list(v) for k, v in self.cost_reps["verify"].items()}}
+                                  "verify": {str(k): list(v) for k, v in self.cost_reps["verify"].items()},
+                                  "head_prefill": list(self.cost_reps["head_prefill"])}
         return cfg
 
     def new_policy(self) -> DepthPolicy:
@@ -250,6 +258,9 @@ class SpecDecoder:
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
+            if depth and pending.prompt is not None:
+                self._prefill_head(pending, timer)
+                last = time.perf_counter()  # a cost of drafting at all, not of this round
             draft = self._probe(pending, len(tokens), timer) if policy.probing else None
             if draft is not None:  # a probe is a plain step with a draft beside it: the step alone is timed
                 depth, last = 0, time.perf_counter()
@@ -277,10 +288,17 @@ class SpecDecoder:
 
     def _prefill(self, prompt_ids: list[int], rows: int) -> Pending:
         logits, hidden = self.runtime.prefill(prompt_ids)
-        self.drafter.prefill(hidden, prompt_ids)
         pending = Pending(rows, hidden.shape[-1], hidden.dtype, hidden.device)
         pending.start(hidden[:, -1:], logits.argmax(-1).view(1, 1))
+        pending.prompt = (hidden, prompt_ids)
         return pending
+
+    def _prefill_head(self, pending: Pending, timer: PhaseTimer) -> None:
+        """The head's prompt rows, made at the decode's first draft: a decode that never drafts
+        (a head that cannot pay) costs what fast-serial's does."""
+        with timer.phase("draft"):
+            self.drafter.prefill(*pending.prompt)
+        pending.prompt = None
 
     def _plain_step(self, pending: Pending, timer: PhaseTimer) -> list[int]:
         """One exact step; its row joins the head's pending rows. Returns the emitted token."""

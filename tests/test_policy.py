@@ -296,3 +296,13 @@ def test_one_interrupted_plain_step_does_not_turn_drafting_on():
     assert p.times.times()[0] == pytest.approx(3 * TINY_CPU.step, rel=0.05)
     with pytest.raises(ValueError):
         RoundTimes(TINY_CPU, max_depth=6, outlier=1.0)
+
+
+def test_first_probe_also_prices_the_heads_prompt_rows():
+    costs = Costs(step=TINY_CPU.step, draft=TINY_CPU.draft, verify=TINY_CPU.verify, head_prefill=0.5e-3)
+    p = DepthPolicy(costs, max_depth=6)
+    before = p.probe_wait()
+    assert before == math.ceil((costs.draft + costs.head_prefill) / (p.explore_share * costs.step))
+    p.update(1, 0)  # a draft was made: the head has its prompt rows, and the miss lowers a_1
+    assert p.drafted and p.probe_wait() == math.ceil(costs.draft / (p.explore_share * costs.step)) < before
+    assert Costs.from_reps({"step": [1.0], "draft": [0.1], "verify": {2: [1.2]}, "head_prefill": [0.3, 0.2]}).head_prefill == 0.2

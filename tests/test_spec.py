@@ -193,3 +193,21 @@ def test_probes_draft_beside_plain_steps(tiny, serial, prompts, alpha):
         assert stats["forwards"] == len(res.tokens) and stats["accept_hist"] == {}
     else:  # every probe hits, the runs between them shorten, and drafting takes over
         assert stats["probe_hits"] == stats["probes"] and stats["accepted"] > 0 and trace[-1] > 0
+
+
+def test_head_prompt_rows_wait_for_the_first_draft(tiny, serial, prompts):
+    """A decode that never drafts never makes the head's prompt rows; one that does makes them
+    once, before its first draft; measure_costs times them."""
+    dec = SpecDecoder(max_depth=3, online_costs=False)
+    dec.prepare(tiny)
+    assert len(dec.cost_reps["head_prefill"]) == 7 and dec.costs.head_prefill > 0
+    assert dec.config()["costs_s"]["head_prefill"] == dec.costs.head_prefill
+    made = []
+    real = dec.drafter.prefill
+    dec.drafter.prefill = lambda hidden, ids: made.append(len(ids)) or real(hidden, ids)
+    dec.costs = PLAIN_FIRST  # plain steps first; the probe comes after its priced wait
+    wait = dec.new_policy().probe_wait()
+    assert_exact(dec, serial, prompts[:1], wait - 2)
+    assert made == []
+    res = assert_exact(dec, serial, prompts[:1], wait + 8)
+    assert made == [len(prompts[0])] and res.stats.extra["probes"] >= 1
