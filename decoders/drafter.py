@@ -219,11 +219,7 @@ class MTPDrafter:
 
     def catch_up_chunks(self, m: int) -> list[int]:
         """How a catch-up of m rows is split: m itself where it has a graph, else the largest
-        graphed size that fits, repeatedly (so 65 rows -> 64 + 1). Run eagerly, any size up to the
-        static buffers' rows is one chunk: only a graph needs a fixed shape, and an eager head
-        forward of 64 rows costs little more than one of 8 (CPU), so each split adds a forward."""
-        if self.pool is None:
-            return split_rows(m, range(1, self.rows_token.shape[1] + 1))
+        graphed size that fits, repeatedly (so 65 rows -> 64 + 1)."""
         return split_rows(m, self._rows)
 
     def _catch_up(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
@@ -243,9 +239,7 @@ class MTPDrafter:
         self.rows_hidden[:, :m].copy_(hidden)
         self.rows_token[:, :m].copy_(tokens.view(1, m))
         self.rows_pos[:m].copy_(self._arange[start:start + m])
-        # eager (no graphs), a size without a graph gets its segments made for this call
-        graphed = self._rows.get(m) or self._graphed(self._catch_up_segments(m))
-        self._run(graphed, start)
+        self._run(self._rows[m], start)
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
@@ -255,12 +249,21 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def prefill(self, hidden: torch.Tensor, prompt_ids: list[int]) -> None:
-        """Head rows for the prompt: (h_p, t_{p+1}) at p = 0..P-2."""
+        """Head rows for the prompt: (h_p, t_{p+1}) at p = 0..P-2. Without graphs (the CPU) the
+        rows are padded to a multiple of PREFILL_ROWS where that fits, so prompts of many lengths
+        share a few GEMM shapes: a CPU's first GEMM of a shape sets up its kernels (~1.6 ms on
+        tiny, more than the forward). Padded rows are scratch: the next catch-up writes over them
+        before anything attends to them."""
         self.filled = 0
-        if len(prompt_ids) > 1:
-            tokens = torch.tensor([prompt_ids[1:]], device=hidden.device)
-            self.forward_rows(hidden[:, :-1], tokens, 0)
-        self.filled = len(prompt_ids) - 1
+        m = len(prompt_ids) - 1
+        if m > 0:
+            rows, tokens = hidden[:, :-1], torch.tensor([prompt_ids[1:]], device=hidden.device)
+            padded = -(-m // PREFILL_ROWS) * PREFILL_ROWS
+            if self.pool is None and padded <= self.capacity:
+                rows = torch.cat([rows, rows.new_zeros(1, padded - m, rows.shape[-1])], dim=1)
+                tokens = torch.cat([tokens, tokens.new_zeros(1, padded - m)], dim=1)
+            self.forward_rows(rows, tokens, 0)
+        self.filled = m
 
     @torch.inference_mode()
     def draft(self, pending_hidden: torch.Tensor, pending_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
@@ -277,6 +280,8 @@ class MTPDrafter:
             pos += 1
         return drafts
 
+
+PREFILL_ROWS = 64  # an eager prompt prefill's row count is a multiple of this (see MTPDrafter.prefill)
 
 # graphed catch-up sizes beyond a round's own (max_rows): after a run of plain steps the policy's
 # longest gap between probes (explore_every, 64 by default) plus a round's rows is caught up in at
