@@ -24,16 +24,16 @@ returns 1 with ``probing`` set, and the caller drafts one token beside a plain s
 whether the step's token equals it (``update(1, hit)``), so a probe never costs a verify window,
 only the draft. The run starts
 at ``explore_first`` rounds and doubles after each probe up to ``explore_every``, and starts again
-short whenever drafting resumes or a draft is accepted: one unlucky miss early in a decode then costs a few plain steps,
-not ``explore_every`` of them, while at zero acceptance the probes soon come only every
+short whenever drafting resumes or a draft is accepted: one unlucky miss early in a decode then
+costs a few plain steps, not ``explore_every`` of them, while at zero acceptance the probes soon come only every
 ``explore_every`` steps. A probe is also priced: its loss
 
-  L = min(c_draft, max(0, T(1) - (1 + a_1) * T(0)))
+  L = min(n_calls * c_draft, max(0, T(1) - (1 + a_1) * T(0))) + first_draft
 
-(its draft, the step beside it being what depth 0 costs anyway; less when a depth-1 round is
-expected to come close to paying, so a head near paying is probed soon), plus ``c_head_prefill``
-while nothing has been drafted (the decode's first draft also makes the head's prompt rows,
-which a decode that never drafts skips), may take at most
+(its draft, n_calls head forwards to catch up the rows since the last draft, the step beside it
+being what depth 0 costs anyway; less when a depth-1 round is expected to come close to paying, so
+a head near paying is probed soon; plus, while nothing has been drafted, the head's prompt rows,
+which the decode's first draft makes and a decode that never drafts skips) may take at most
 ``explore_share`` of the run of plain steps before it: the run lasts at least
 L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a head step is dear against a
 step (a CPU: ~0.3 steps on tiny) the first probe waits past ``explore_first``; where it is cheap
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -135,6 +136,8 @@ class DepthPolicy:
     zero_run: int = 0
     probing: bool = False  # the last choose() was a probe: draft 1 beside a plain step, no window
     drafted: bool = False  # a draft was made (``update``): the head has its prompt rows
+    first_draft: float | None = None  # seconds the decode's first draft adds (None: costs.head_prefill)
+    catch_up_calls: Callable[[int], int] | None = None  # head forwards for k pending rows (None: 1)
     explore_gap: int = 0  # depth-0 rounds before the next probe (0: explore_first)
     _best: int | None = field(default=None, repr=False, compare=False)
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
@@ -200,12 +203,14 @@ class DepthPolicy:
             self._best = -max((1.0 / self.step_time(), 0), self._drafting)[1]
         return self._best
 
-    def probe_wait(self) -> int:
-        """Plain rounds before a probe may come, by its price: L / (explore_share * T(0))."""
+    def probe_wait(self, rows: int = 1) -> int:
+        """Plain rounds before a probe with ``rows`` head rows to catch up may come, by its price:
+        L / (explore_share * T(0))."""
         step = self.step_time()
-        loss = min(self.costs.draft, max(0.0, self.round_times()[1] - (1.0 + self.accept[0]) * step))
+        calls = self.catch_up_calls(rows) if self.catch_up_calls is not None else 1
+        loss = min(calls * self.costs.draft, max(0.0, self.round_times()[1] - (1.0 + self.accept[0]) * step))
         if not self.drafted:
-            loss += self.costs.head_prefill
+            loss += self.costs.head_prefill if self.first_draft is None else self.first_draft
         return math.ceil(loss / (self.explore_share * step))
 
     def choose(self) -> int:
@@ -218,7 +223,7 @@ class DepthPolicy:
             self.zero_run += 1
             gap = min(self.explore_gap or self.explore_first, self.explore_every)
             # the price is read only once the doubling run is done: plain rounds stay a few reads
-            if self.zero_run >= gap and self.zero_run >= min(self.probe_wait(), self.explore_every):
+            if self.zero_run >= gap and self.zero_run >= min(self.probe_wait(self.zero_run + 1), self.explore_every):
                 self.explore_gap = min(2 * self.zero_run, self.explore_every)
                 self.zero_run = 0
                 self.probing = True

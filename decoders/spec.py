@@ -14,8 +14,8 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   depth          fix the depth instead of adapting (benchmarks)
   shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
                  checkpoint's draft_shortlist.json when there is one, else the full vocabulary
-  explore_every  the most rounds at depth 0 between probes at depth 1 (the first run is 8 and
-                 doubles after each probe), default 64
+  explore_every  the most rounds at depth 0 between probes (the first run is 8, or as long as the
+                 probe's price asks, and doubles after each probe), default 64
   head           a directory written by `heads train` (mtp.safetensors, draft_shortlist.json):
                  draft with that head, and its shortlist unless ``shortlist`` is given; the
                  backbone and the model's own head are untouched
@@ -37,7 +37,8 @@ import torch
 
 from core.errors import UserError
 from decoders.base import DecodeResult, DecodeStats, stop_index
-from decoders.drafter import HEAD_FILE, MTPDrafter, catch_up_sizes, load_head, load_shortlist, shortlist_source
+from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head, load_shortlist,
+                              shortlist_source)
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.trace import Trace, TraceRow
@@ -184,7 +185,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def measure_costs(self, reps: int = 7) -> dict:
         """Seconds of a plain step, a chained head step, each verify window and the head's rows for
-        a 16-token prompt, on this device, now, every rep kept: ``{"step": [..], "draft": [..],
+        a 16-token prompt (one block of PREFILL_ROWS rows where they are padded), on this device, now, every rep kept: ``{"step": [..], "draft": [..],
         "verify": {w: [..]}, "head_prefill": [..]}``
         (``Costs.from_reps`` reduces them). Timed in interleaved rounds (each round times every op
         once): a busy spell on a shared CPU then slows one round of every op, not every rep of one
@@ -238,9 +239,13 @@ class SpecDecoder:
                                   "head_prefill": list(self.cost_reps["head_prefill"])}
         return cfg
 
-    def new_policy(self) -> DepthPolicy:
+    def new_policy(self, prompt_len: int = 1) -> DepthPolicy:
+        """A decode's policy; its first draft also makes the head's rows for ``prompt_len`` tokens
+        (``head_prefill`` was measured for one block of PREFILL_ROWS rows)."""
+        blocks = max(1, -(-(prompt_len - 1) // PREFILL_ROWS))
         return DepthPolicy(self.costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
-                           online=self.online_costs)
+                           online=self.online_costs, first_draft=blocks * self.costs.head_prefill,
+                           catch_up_calls=lambda rows: len(self.drafter.catch_up_chunks(rows)))
 
     # ------------------------------------------------------------------ decoding
 
@@ -253,7 +258,7 @@ class SpecDecoder:
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
         eos = set(self.model.eos_token_ids)
-        policy = self.new_policy()
+        policy = self.new_policy(len(prompt_ids))
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
         with timer.phase("other"):

@@ -306,3 +306,13 @@ def test_first_probe_also_prices_the_heads_prompt_rows():
     p.update(1, 0)  # a draft was made: the head has its prompt rows, and the miss lowers a_1
     assert p.drafted and p.probe_wait() == math.ceil(costs.draft / (p.explore_share * costs.step)) < before
     assert Costs.from_reps({"step": [1.0], "draft": [0.1], "verify": {2: [1.2]}, "head_prefill": [0.3, 0.2]}).head_prefill == 0.2
+
+
+def test_probe_price_counts_catch_up_calls_and_the_prompts_rows():
+    costs = Costs(step=TINY_CPU.step, draft=TINY_CPU.draft, verify=TINY_CPU.verify, head_prefill=0.5e-3)
+    p = DepthPolicy(costs, max_depth=6, prior=0.0, first_draft=1.5e-3, catch_up_calls=lambda rows: 1 + rows // 16)
+    unit = p.explore_share * costs.step
+    assert p.probe_wait(1) == math.ceil((min(costs.draft, costs.round_time(1) - costs.step) + 1.5e-3) / unit)
+    assert p.probe_wait(40) > p.probe_wait(1)  # three head forwards to catch up 40 rows
+    p.update(1, 0)
+    assert p.probe_wait(1) == math.ceil(min(costs.draft, costs.round_time(1) - costs.step) / unit)
