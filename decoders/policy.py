@@ -142,6 +142,7 @@ class DepthPolicy:
     _best: int | None = field(default=None, repr=False, compare=False)
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
     _drafting: tuple[float, int] | None = field(default=None, repr=False, compare=False)
+    _probe_at: int | None = field(default=None, repr=False, compare=False)  # this run's priced length
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -222,22 +223,30 @@ class DepthPolicy:
         if d == 0 and self.max_depth > 0:
             self.zero_run += 1
             gap = min(self.explore_gap or self.explore_first, self.explore_every)
-            # the price is read only once the doubling run is done: plain rounds stay a few reads
-            if self.zero_run >= gap and self.zero_run >= min(self.probe_wait(self.zero_run + 1), self.explore_every):
+            if self.zero_run < gap:
+                return 0
+            if self._probe_at is None:
+                # priced once per run, when the doubling run is done (plain rounds stay a few reads),
+                # for the rows the catch-up will have by then
+                wait = self.probe_wait(self.zero_run + 1)
+                self._probe_at = min(max(wait, self.probe_wait(wait + 1)), self.explore_every)
+            if self.zero_run >= self._probe_at:
                 self.explore_gap = min(2 * self.zero_run, self.explore_every)
                 self.zero_run = 0
+                self._probe_at = None
                 self.probing = True
                 return 1
             return 0
         self.zero_run = 0
         self.explore_gap = 0
+        self._probe_at = None
         return d
 
     def update(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
-        self._best = self._drafting = None
+        self._best = self._drafting = self._probe_at = None
         self.drafted = True
         if accepted:  # evidence that the head predicts: the probe runs start short again
             self.explore_gap = 0

@@ -316,3 +316,12 @@ def test_probe_price_counts_catch_up_calls_and_the_prompts_rows():
     assert p.probe_wait(40) > p.probe_wait(1)  # three head forwards to catch up 40 rows
     p.update(1, 0)
     assert p.probe_wait(1) == math.ceil(min(costs.draft, costs.round_time(1) - costs.step) / unit)
+
+
+def test_a_run_of_plain_steps_is_priced_once():
+    """Plain rounds stay a few attribute reads: the probe is priced once per run, not per round."""
+    calls = []
+    p = DepthPolicy(TINY_CPU, max_depth=6, catch_up_calls=lambda rows: calls.append(rows) or 1 + rows // 16)
+    depths = drive(p, 0.0, 500)
+    probes = sum(1 for d in depths if d > 0)
+    assert probes >= 5 and len(calls) <= 2 * (probes + 1)

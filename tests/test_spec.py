@@ -206,8 +206,9 @@ def test_head_prompt_rows_wait_for_the_first_draft(tiny, serial, prompts):
     real = dec.drafter.prefill
     dec.drafter.prefill = lambda hidden, ids: made.append(len(ids)) or real(hidden, ids)
     dec.costs = PLAIN_FIRST  # plain steps first; the probe comes after its priced wait
-    wait = dec.new_policy().probe_wait()
-    assert_exact(dec, serial, prompts[:1], wait - 2)
+    policy = dec.new_policy(len(prompts[0]))
+    first = next(i for i in range(200) if policy.choose() and policy.probing)  # the round that probes
+    assert_exact(dec, serial, prompts[:1], first)  # rounds 0..first-2: plain steps only
     assert made == []
-    res = assert_exact(dec, serial, prompts[:1], wait + 8)
+    res = assert_exact(dec, serial, prompts[:1], first + 8)
     assert made == [len(prompts[0])] and res.stats.extra["probes"] >= 1
