@@ -17,10 +17,9 @@ from core import determinism
 from core.errors import UserError
 from core.models import device_name, load_model
 from core.prompts import load_prompts, parse_corpus_spec
-from core.schema import write_json_atomic
 
 from audit import checks
-from audit.report import build_document, render_table
+from audit.report import build_document, render_table, write_document
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -147,12 +146,7 @@ def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, mode
     """Build, write and print audit.json; the exit code from its verdict."""
     doc = build_document(run, hashlib.sha256(path.read_bytes()).hexdigest(), findings, replayed, info,
                          model_identity, params)
-    try:
-        write_json_atomic(out_path, doc)
-    except OSError as exc:
-        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(render_table(doc))
-    click.echo(f"wrote {out_path}")
+    write_document(out_path, doc, render_table(doc))
     refresh_report(path, out_path)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
 

@@ -4,10 +4,15 @@ audit.json keys are a contract with the reports package; see ``build_document``.
 """
 from __future__ import annotations
 
-from core.schema import LEG_SPREAD_LIMIT
+from pathlib import Path
+
+import click
+
+from core.schema import LEG_SPREAD_LIMIT, write_json_atomic
 
 from audit import checks
 from audit.replay import Divergence, PromptReplay
+from audit.stream import BadInput
 
 SCHEMA = "qwen35-exact/audit/1"
 
@@ -144,12 +149,7 @@ def render_table(doc: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
-    if doc["findings"]:
-        lines.append("")
-        lines.append("findings:")
-        for f in doc["findings"]:
-            where = f" [{f['prompt_id']}]" if f["prompt_id"] else ""
-            lines.append(f"  {f['severity'].upper():<4} {f['check']}{where}: {f['message']}")
+    lines += finding_lines(doc["findings"])
     rp, sp = doc["replay"], doc["score_params"]
     lines.append("")
     if rp["tokens_replayed"]:
@@ -170,3 +170,22 @@ def render_table(doc: dict) -> str:
                  f"consistent: {'yes' if doc['consistent'] else 'NO'}  candidate: {doc['candidate']}"
                  + ("  (instrument: never scored)" if doc["instrument"] else ""))
     return "\n".join(lines)
+
+
+def finding_lines(findings: list[dict]) -> list[str]:
+    """The findings section of a printed table (nothing when there are none)."""
+    if not findings:
+        return []
+    return ["", "findings:"] + [f"  {f['severity'].upper():<4} {f['check']}"
+                                f"{f' [' + f['prompt_id'] + ']' if f['prompt_id'] else ''}: {f['message']}"
+                                for f in findings]
+
+
+def write_document(out_path: Path, doc: dict, table: str) -> None:
+    """Write an audit's JSON document in one piece, then print its table and where it went."""
+    try:
+        write_json_atomic(out_path, doc)
+    except OSError as exc:
+        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    click.echo(table)
+    click.echo(f"wrote {out_path}")

@@ -44,17 +44,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
 from core.prompts import RANDOM_SETS, corpus_prompts, parse_corpus_spec
-from core.schema import ROLES, abba_roles, loads, write_json_atomic
+from core.schema import ROLES, abba_roles, loads
 
 from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, MAX_REBUILT_PROMPTS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
 from audit.replay import replay_run
-from audit.report import divergence_findings, fmt_ratio
+from audit.report import divergence_findings, finding_lines, fmt_ratio, write_document
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
 
 SCHEMA = "qwen35-exact/retime/1"
@@ -433,12 +431,7 @@ def render_table(doc: dict) -> str:
              for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
     lines.append(f"fresh prompts: {doc['fresh_prompts']}")
-    if doc["findings"]:
-        lines.append("")
-        lines.append("findings:")
-        for f in doc["findings"]:
-            where = f" [{f['prompt_id']}]" if f["prompt_id"] else ""
-            lines.append(f"  {f['severity'].upper():<4} {f['check']}{where}: {f['message']}")
+    lines += finding_lines(doc["findings"])
     lines.append("")
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
                  f"{len(doc['recorded'])} prompts), retimed {fmt_ratio(doc['retimed_median_ratio'])} "
@@ -504,10 +497,5 @@ def retime(opts: RetimeOptions) -> int:
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
                          time.perf_counter() - started, exact)
-    try:
-        write_json_atomic(out_path, doc)
-    except OSError as exc:
-        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(render_table(doc))
-    click.echo(f"wrote {out_path}")
+    write_document(out_path, doc, render_table(doc))
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

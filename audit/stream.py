@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.errors import UserError
 from core.schema import StreamFormatError, read_stream
 
 # new tokens per decode a header may claim: far beyond any run, small enough that a forged N
@@ -19,7 +20,7 @@ from core.schema import StreamFormatError, read_stream
 MAX_NEW_TOKENS = 1 << 20
 
 
-class BadInput(Exception):
+class BadInput(UserError):
     """The stream cannot be audited at all; shown as one line, exit 2."""
 
 

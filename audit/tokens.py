@@ -28,17 +28,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import torch
 
 from core import determinism, dist
 from core.errors import UserError
 from core.models import device_name, load_model
-from core.schema import jsonl_values, write_json_atomic
+from core.schema import jsonl_values
 
 from audit.checks import first_difference
 from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, greedy_and_top, logit_of,
                           replay_prompt, teacher_forced_logits)
+from audit.report import write_document
 
 KIND = "tokens-audit"
 SCHEMA = "qwen35-exact/tokens-audit/1"
@@ -495,10 +495,5 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     replay = {"tokens_replayed": positions, "seconds": seconds,
               "ms_per_token": 1000 * seconds / positions if positions else None}
     doc = build_document(opts, gens, walked, pairs, matched_by, model, dev, n, replay)
-    try:
-        write_json_atomic(out_path, doc)
-    except OSError as exc:
-        raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(render_table(doc))
-    click.echo(f"wrote {out_path}")
+    write_document(out_path, doc, render_table(doc))
     return EXIT_EXACT if doc["verdict"] == VERDICT_EXACT else EXIT_DIVERGED
