@@ -207,7 +207,7 @@ def load(path) -> Trace:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m decoders.trace", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
     ap.add_argument("--limit", type=int, default=None, help="keep the first K prompts")
