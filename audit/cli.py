@@ -18,17 +18,11 @@ from pathlib import Path
 
 import click
 
-from core.errors import DistError, Stopped, UserError
+from core.errors import DistError, Stopped, UserError, fail
 
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-
-def fail(message: str, code: int = EXIT_BAD_INPUT, quiet: bool = False):
-    if not quiet:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def main():

@@ -1,4 +1,5 @@
 """Errors that are the user's to fix: the CLIs print them as one line and exit non-zero."""
+import sys
 
 
 class UserError(Exception):
@@ -14,3 +15,13 @@ class Stopped(BaseException):
     """This rank was sent SIGTERM: torchrun stops every rank once one has exited with an error.
     A BaseException, like KeyboardInterrupt, so that no ``except Exception`` (a decoder's, or the
     per-prompt guard's) can swallow it and leave this rank waiting for one that is gone."""
+
+
+def fail(message, code: int = 2, quiet: bool = False):
+    """The CLIs' one way out for a user's error: ``error: MESSAGE`` on one line of stderr (a
+    library's multi-line text folded in), then exit ``code``; ``quiet`` exits without a word
+    (under torchrun, the ranks that are not rank 0)."""
+    message = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    if not quiet:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from core.errors import DistError, Stopped, UserError
+from core.errors import DistError, Stopped, UserError, fail
 from core.schema import LEG_SPREAD_LIMIT, SCHEMA, AtomicJsonlWriter, dumps, leg_spread
 from decoders import CONTROL, DEFAULT_DECODER, REGISTRY, get_decoder, parse_decoder_args
 
@@ -60,14 +60,6 @@ def quiet_libraries() -> None:
     import transformers  # heavy: loads only when a command runs
 
     transformers.logging.set_verbosity_error()
-
-
-def fail(message: str, code: int = 2, quiet: bool = False):
-    # one line even when the message embeds a library's multi-line exception text
-    message = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
-    if not quiet:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 def run_cli(fn):

@@ -1,17 +1,11 @@
 """``reports``: render a run directory into a readable report (``reports render RUN_DIR``)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from core.errors import UserError
-
-
-def fail(message: str, code: int = 2):
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
+from core.errors import UserError, fail
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

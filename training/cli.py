@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from core import determinism
-from core.errors import UserError
+from core.errors import UserError, fail
 from core.models import device_name
 from training.data import (DOC_SEPARATOR, encode_splits, fixed_windows, load_corpus, load_tokenizer,
                            train_tokenizer)
@@ -239,8 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run(args.out, preset, device=device, seed=args.seed, minutes=minutes, steps=args.steps,
                    spec=not args.no_spec_check, init_from=args.init_from)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(exc)
 
 
 def check_device(device: str) -> None:
