@@ -166,16 +166,21 @@ def check_stats(leg: dict, where: Path, index: int) -> None:
 # --------------------------------------------------------------------------- audit.json
 
 
-def load_audit(path: Path) -> dict:
-    """Parse audit.json and check the fields the report reads; raise UserError on any mismatch."""
+def read_json(path: Path):
+    """A JSON file's value; unreadable, not UTF-8 or not JSON is a UserError naming the file."""
     try:
-        audit = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
+
+
+def load_audit(path: Path) -> dict:
+    """Parse audit.json and check the fields the report reads; raise UserError on any mismatch."""
+    audit = read_json(path)
     if not isinstance(audit, dict):
         raise UserError(f"{path}: not a JSON object")
     if audit.get("schema") != AUDIT_SCHEMA:

@@ -8,7 +8,6 @@ anything wrong is a ``UserError`` naming the field.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from matplotlib.ticker import MaxNLocator
 
 from core.errors import UserError
 from reports.figures import new_figure, save, titles
+from reports.load import read_json
 from reports.markdown import cell, table
 
 KIND = "tokens-audit"
@@ -31,14 +31,7 @@ CLASS_COLORS = {"near-tie": "#ef6c00", "real": "#c62828"}
 
 def load_tokens_audit(path: Path) -> dict:
     """Parse ``audit_tokens.json`` and check every field the report reads."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    doc = read_json(path)
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise UserError(f"{path}: not a token audit (its 'kind' is not {KIND!r})")
     if doc.get("schema") != SCHEMA:

@@ -150,3 +150,12 @@ if __name__ == "__main__":  # `python tests/audit_helpers.py forge SRC DST_DIR [
     if len(sys.argv) not in (4, 5) or sys.argv[1] != "forge":
         sys.exit("usage: python tests/audit_helpers.py forge SRC_STREAM DST_DIR [FACTOR]")
     print(forge_stream(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) == 5 else 0.25))
+
+
+def edit(stream: Path, fn, reseal: bool = True) -> list[dict]:
+    """Apply ``fn`` to the stream's records in place and write them back (resealed: the end
+    record's count and sha256 recomputed, as a careful forger would). Returns the records."""
+    records = read_records(stream)
+    fn(records)
+    write_records(stream, records, reseal=reseal)
+    return records

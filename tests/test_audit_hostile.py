@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from audit_helpers import copy_stream, findings, read_records, retime, run_audit, run_harness, write_records
+from audit_helpers import copy_stream, edit, findings, read_records, retime, run_audit, run_harness
 
 from audit import checks
 from audit.stream import PromptRun
@@ -23,12 +23,6 @@ def clean_stream(tmp_path_factory):
 @pytest.fixture
 def stream(clean_stream, tmp_path):
     return copy_stream(clean_stream, tmp_path / "run")
-
-
-def edit(stream, fn, reseal=True):
-    records = read_records(stream)
-    fn(records)
-    write_records(stream, records, reseal=reseal)
 
 
 def replace_first(stream, old: str, new: str) -> None:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from audit_helpers import (copy_stream, find_leg, findings, legs_of, prompt_ids, read_records, run_audit,
+from audit_helpers import (copy_stream, edit, find_leg, findings, legs_of, prompt_ids, read_records, run_audit,
                            run_harness, retime, write_records)
 
 TOP_KEYS = {"schema", "stream", "stream_sha256", "verdict", "exact", "consistent", "score", "score_params", "unstable",
@@ -32,13 +32,6 @@ def clean_stream(tmp_path_factory):
 @pytest.fixture
 def stream(clean_stream, tmp_path):
     return copy_stream(clean_stream, tmp_path / "run")
-
-
-def edit(stream, fn, reseal=True):
-    records = read_records(stream)
-    fn(records)
-    write_records(stream, records, reseal=reseal)
-    return records
 
 
 def fails(doc):

@@ -22,7 +22,7 @@ from decoders.drafter import MTPDrafter
 from decoders.runtime.runtime import ExactRuntime
 from decoders.serial import SerialDecoder
 from fixtures.prompts import DEV_PROMPTS
-from test_runtime import random_model  # a helper of that test module (tests/ is on the path)
+from test_runtime import assert_state_equal, random_model, snapshot  # helpers of that test module (tests/ is on the path)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,30 +52,6 @@ def control(model, prompt: list[int], n: int):
         logits.append(out.logits[:, -1].clone())
         states.append(snapshot(lm, cache))
     return stream, logits, states
-
-
-def snapshot(lm, cache) -> dict:
-    snap = {}
-    for i, layer in enumerate(lm.model.layers):
-        c = cache.layers[i]
-        if hasattr(layer, "self_attn"):
-            snap[i] = (c.keys.clone(), c.values.clone())
-        else:
-            snap[i] = (c.conv_states[0].clone(), c.recurrent_states[0].clone())
-    return snap
-
-
-def assert_state_equal(rt: ExactRuntime, snap: dict) -> None:
-    st = rt.state
-    for i in st.attn_layers:
-        k, v = snap[i]
-        n = k.shape[2]
-        assert n == rt.length
-        assert torch.equal(st.keys[i][:, :, :n], k) and torch.equal(st.values[i][:, :, :n], v), f"KV layer {i}"
-    for i in st.gdn_layers:
-        conv, rec = snap[i]
-        assert torch.equal(st.conv[i], conv), f"conv state layer {i}"
-        assert torch.equal(st.rec[i], rec), f"recurrent state layer {i}"
 
 
 def random_prompt(model, n: int, seed: int) -> list[int]:
