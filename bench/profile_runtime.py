@@ -1,12 +1,14 @@
 """Where a step, a verify window, a draft step and the prefill spend GPU time (kernel profile).
 
-    python bench/profile_runtime.py [--model synthetic-9b] [--prompt-len 512] [--calls 20] [--json FILE]
+    python bench/profile_runtime.py [--model synthetic-9b] [--prompt-len 512] [--calls 20] [--lanes 1,auto] [--json FILE]
 
-For each op it reports wall ms per call (host clock around synchronised calls), the sum of GPU
-kernel time per call from torch.profiler, the kernel count per call, the share of each kernel
-class (GEMM, reduction, elementwise, copy/cat, attention, other), and the top kernels. Wall much
-above the kernel sum means the GPU idles between kernels (launch or host bound). Diagnostic only:
-speed claims come from the side-by-side benchmarks.
+For each op it reports wall ms per call (host clock around synchronised calls), the GPU's busy
+time per call (the union of kernel intervals: the critical path as run), the sum of GPU kernel
+time, the kernel count, the share of each kernel class (GEMM, reduction, elementwise, copy/cat,
+attention, other), and the top kernels. The step and the windows are profiled once per runtime
+named in --lanes (one stream, and the runtime's default lanes), so the two sit side by side.
+Kernel sum above busy time is concurrency; wall above busy time is the GPU idling (launch or
+host bound). Diagnostic only: speed claims come from the side-by-side benchmarks.
 """
 from __future__ import annotations
 
@@ -58,17 +60,35 @@ def profile_op(fn, calls: int):
             fn()
         sync()
     kernels = defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels[e.name]
             k[0] += 1
             k[1] += e.device_time
+            spans.append((e.time_range.start, e.time_range.end))
     per_call = {n: (c / calls, us / calls) for n, (c, us) in kernels.items()}
     return {"wall_ms": wall * 1e3,
             "kernel_ms": sum(us for _, us in per_call.values()) / 1e3,
             "kernels": sum(c for c, _ in per_call.values()),
+            "busy_ms": busy_time(spans) / calls / 1e3,
             "classes": class_split(per_call),
             "top": sorted(([n[:90], c, us] for n, (c, us) in per_call.items()), key=lambda r: -r[2])[:25]}
+
+
+def busy_time(spans) -> float:
+    """Time at least one kernel runs (the union of their intervals, us). On one stream it equals the
+    kernel-time sum; with lanes it is less by what ran concurrently, and it is the estimate of the
+    critical path as run. The wall above it is time the GPU idled."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def class_split(per_call):
@@ -87,10 +107,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--windows", default="2,4,7")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lanes", default="1,auto",
+                    help="step and windows profiled for each: 1 = one stream, auto = the runtime's default lanes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_runtime: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from decoders.runtime.runtime import ExactRuntime
     from decoders.spec import SpecDecoder
     from core.models import load_model
 
@@ -109,12 +132,13 @@ def main(argv=None) -> int:
     tok = logits.argmax(-1).view(1, 1)
     dr.draft(hidden[:, -1:], tok, 1)  # the last prompt row: leaves a chained step's inputs live
 
-    def step():
-        rt.step(tok)  # commits one position per call: the capacity has room for every call
+    def step(runtime):
+        runtime.prefill(prompt)  # a fresh position range: every call commits one position
+        return lambda: runtime.step(tok)
 
-    def window(w):
+    def window(runtime, w):
         block = tok.expand(1, w).contiguous()
-        return lambda: rt.verify(block)  # never accepted
+        return lambda: runtime.verify(block)  # never accepted
 
     def window_eager(w):
         return rt.program(w, capture=True).run_eager
@@ -132,27 +156,39 @@ def main(argv=None) -> int:
         dr.prefill(hidden, prompt)
 
     n = args.prompt_len
-    ops = {"step (graphed)": step, **{f"window {w} (graphed)": window(w) for w in windows},
-           f"window {max(windows)} (eager)": window_eager(max(windows)),
-           "draft step": lambda: dr.chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
-           f"runtime prefill {n}": runtime_prefill, f"drafter prefill {n}": drafter_prefill}
+    ops = {}
+    for lanes in args.lanes.split(","):
+        runtime = rt if lanes == "auto" else ExactRuntime(model, rt.capacity, windows=tuple(windows), cal=rt.cal,
+                                                          lanes=int(lanes))
+        tag = f"lanes {runtime.lanes.width}"
+        ops[f"step (graphed, {tag})"] = step(runtime)
+        ops.update({f"window {w} (graphed, {tag})": window(runtime, w) for w in windows})
+    rt.prefill(prompt)
+    dr.prefill(hidden, prompt)
+    dr.draft(hidden[:, -1:], tok, 1)
+    ops.update({f"window {max(windows)} (eager)": window_eager(max(windows)),
+                "draft step": lambda: dr.chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
+                f"runtime prefill {n}": runtime_prefill, f"drafter prefill {n}": drafter_prefill})
     results = {}
     for name, fn in ops.items():
         results[name] = profile_op(fn, args.calls if "prefill" not in name and "HF" not in name else 3)
         r = results[name]
-        print(f"\n== {name}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels")
+        print(f"\n== {name}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels, "
+              f"busy {r['busy_ms']:.3f} ms")
         for cls, v in sorted(r["classes"].items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {cls:12s} {v['count']:7.1f} kernels {v['us'] / 1e3:8.3f} ms")
         for n, c, us in r["top"][:15]:
             print(f"   {us:9.1f} us {c:6.1f}x  {n}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print("\n| op | wall ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | attention ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| op | wall ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | "
+          "attention ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         c = r["classes"]
         get = lambda k: c.get(k, {"us": 0.0})["us"] / 1e3  # noqa: E731
-        print(f"| {name} | {r['wall_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | {get('gemm'):.3f} | "
+        print(f"| {name} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | "
+              f"{get('gemm'):.3f} | "
               f"{get('reduction'):.3f} | {get('elementwise'):.3f} | {get('copy/cat'):.3f} | {get('attention'):.3f} |")
     return 0
 

@@ -6,6 +6,8 @@ Measures, on one prompt: the control's ms/token (HF serial, DynamicCache); the f
 ms/token and the weight bandwidth it achieves; the cost of a verify window of w = 1..8 relative to
 one fast-serial step; the cost of a rollback; peak memory of each; and checks that every logit the
 runtime computed (steps and every window row) is bit-identical to the control's at that position.
+With ``--lanes 1,auto`` it measures a runtime without and one with its parallel streams, one after
+the other in one process. Exits 1 if any logit differs.
 Prints a table last; --json writes every raw number.
 """
 from __future__ import annotations
@@ -152,12 +154,14 @@ def main():
     ap.add_argument("--max-window", type=int, default=8)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel-time breakdown of one step")
+    ap.add_argument("--lanes", type=lambda v: v.split(","), default=["auto"],
+                    help="runtimes to measure one after another, e.g. 1,auto: 1 = every branch in order on one "
+                         "stream, auto = the runtime's default streams")
     args = ap.parse_args()
 
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from decoders.runtime.runtime import ExactRuntime
     from core.models import device_name, load_model
 
     model = load_model(args.model, args.device)
@@ -169,61 +173,79 @@ def main():
     tokens, ref, ctl_times, ctl_peak = control_stream(model, prompt, args.positions)
     print(f"control: {1e3 * statistics.median(ctl_times):.2f} ms/token", flush=True)
 
-    t0 = time.perf_counter()
-    peak_reset(dev)
-    rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
-                      windows=tuple(range(1, args.max_window + 1)))
-    setup_s = time.perf_counter() - t0
-    print(f"runtime ready in {setup_s:.1f}s; calibration {json.dumps(rt.cal.to_json())}", flush=True)
-
-    peak_reset(dev)
-    step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)
-    fast_peak = peak(dev)
-    step_ms = 1e3 * statistics.median(step_times)
-    print(f"fast-serial: {step_ms:.2f} ms/token, bit-equal {sum(step_equal)}/{len(step_equal)}", flush=True)
-
-    windows = {}
-    for w in range(1, args.max_window + 1):
-        eq, times = window_pass(rt, prompt, tokens, ref, w)
-        windows[w] = {"equal": sum(eq), "checked": len(eq), "ms": 1e3 * statistics.median(times)}
-        print(f"window w={w}: {windows[w]['ms']:.2f} ms ({windows[w]['ms'] / step_ms:.2f}x step), "
-              f"bit-equal {sum(eq)}/{len(eq)}", flush=True)
-    rb = rollback_pass(rt, prompt, tokens, w=min(8, args.max_window))
-    rb_ms = 1e3 * statistics.median(rb)
-
-    if args.profile and dev.type == "cuda":
-        profile_step(rt, tokens)
-
+    variants = {}
+    for lanes in args.lanes:
+        variants[lanes] = runtime_variant(model, prompt, tokens, ref, args, lanes)
     bpt = weight_bytes_per_token(lm)
+    ctl_ms = 1e3 * statistics.median(ctl_times)
     result = {
         "model": args.model, "device": device_name(dev), "prompt_len": len(prompt), "positions": args.positions,
-        "control_ms": 1e3 * statistics.median(ctl_times), "fast_serial_ms": step_ms,
-        "weight_bytes_per_token": bpt, "fast_serial_GBps": bpt / (step_ms / 1e3) / 1e9,
-        "control_GBps": bpt / statistics.median(ctl_times) / 1e9,
-        "windows": windows, "rollback_ms": rb_ms, "runtime_setup_s": setup_s,
-        "control_peak_bytes": ctl_peak, "fast_peak_bytes": fast_peak,
-        "state_bytes": rt.state.nbytes(), "calibration": rt.cal.to_json(),
-        "step_bit_equal": [sum(step_equal), len(step_equal)],
-        "raw": {"control_s": ctl_times, "step_s": step_times, "rollback_s": rb},
+        "control_ms": ctl_ms, "control_GBps": bpt / (ctl_ms / 1e3) / 1e9, "control_peak_bytes": ctl_peak,
+        "weight_bytes_per_token": bpt, "raw_control_s": ctl_times, "variants": variants,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
 
     gb = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
-    total_eq = sum(step_equal) + sum(v["equal"] for v in windows.values())
-    total_ck = len(step_equal) + sum(v["checked"] for v in windows.values())
-    print("\n| what | ms | x step | GB/s | peak | bit-equal |")
-    print("|---|---|---|---|---|---|")
-    print(f"| control (HF serial) | {result['control_ms']:.2f} | {result['control_ms'] / step_ms:.2f} | "
-          f"{result['control_GBps']:.0f} | {gb(ctl_peak)} | ref |")
-    print(f"| fast-serial step | {step_ms:.2f} | 1.00 | {result['fast_serial_GBps']:.0f} | {gb(fast_peak)} | "
-          f"{sum(step_equal)}/{len(step_equal)} |")
-    for w, v in windows.items():
-        print(f"| verify w={w} | {v['ms']:.2f} | {v['ms'] / step_ms:.2f} | | | {v['equal']}/{v['checked']} |")
-    print(f"| rollback (after w={min(8, args.max_window)}, keep 1) | {rb_ms:.3f} | {rb_ms / step_ms:.3f} | | | |")
+    total_eq = total_ck = 0
+    print("\n| lanes | what | ms | x step | GB/s | peak | bit-equal |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| | control (HF serial) | {ctl_ms:.2f} | | {result['control_GBps']:.0f} | {gb(ctl_peak)} | ref |")
+    for lanes, v in variants.items():
+        step_ms, eq = v["fast_serial_ms"], v["step_bit_equal"]
+        print(f"| {lanes} | fast-serial step | {step_ms:.2f} | 1.00 | {v['fast_serial_GBps']:.0f} | "
+              f"{gb(v['fast_peak_bytes'])} | {eq[0]}/{eq[1]} |")
+        for w, win in v["windows"].items():
+            print(f"| {lanes} | verify w={w} | {win['ms']:.2f} | {win['ms'] / step_ms:.2f} | | | "
+                  f"{win['equal']}/{win['checked']} |")
+        print(f"| {lanes} | rollback (after w={min(8, args.max_window)}, keep 1) | {v['rollback_ms']:.3f} | "
+              f"{v['rollback_ms'] / step_ms:.3f} | | | |")
+        total_eq += eq[0] + sum(win["equal"] for win in v["windows"].values())
+        total_ck += eq[1] + sum(win["checked"] for win in v["windows"].values())
     print(f"all runtime logits bit-equal to control: {total_eq}/{total_ck}")
+    return 0 if total_eq == total_ck else 1
 
+
+def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
+    """One runtime (lanes "auto" = the runtime's default, or a count): its step, every window size
+    and rollback along the control's stream, each logit compared with the control's."""
+    from decoders.runtime.runtime import ExactRuntime
+
+    dev, lm = model.device, model.backbone
+    t0 = time.perf_counter()
+    peak_reset(dev)
+    rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
+                      windows=tuple(range(1, args.max_window + 1)), lanes=None if lanes == "auto" else int(lanes))
+    setup_s = time.perf_counter() - t0
+    print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s; calibration "
+          f"{json.dumps(rt.cal.to_json())}", flush=True)
+
+    peak_reset(dev)
+    step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)
+    fast_peak = peak(dev)
+    step_ms = 1e3 * statistics.median(step_times)
+    print(f"[lanes {lanes}] fast-serial: {step_ms:.2f} ms/token, bit-equal {sum(step_equal)}/{len(step_equal)}",
+          flush=True)
+    windows = {}
+    for w in range(1, args.max_window + 1):
+        eq, times = window_pass(rt, prompt, tokens, ref, w)
+        windows[w] = {"equal": sum(eq), "checked": len(eq), "ms": 1e3 * statistics.median(times)}
+        print(f"[lanes {lanes}] window w={w}: {windows[w]['ms']:.2f} ms ({windows[w]['ms'] / step_ms:.2f}x step), "
+              f"bit-equal {sum(eq)}/{len(eq)}", flush=True)
+    rb = rollback_pass(rt, prompt, tokens, w=min(8, args.max_window))
+    if args.profile and dev.type == "cuda":
+        profile_step(rt, tokens)
+    bpt = weight_bytes_per_token(lm)
+    result = {"lanes": rt.lanes.width, "fast_serial_ms": step_ms, "fast_serial_GBps": bpt / (step_ms / 1e3) / 1e9,
+              "windows": windows, "rollback_ms": 1e3 * statistics.median(rb), "runtime_setup_s": setup_s,
+              "fast_peak_bytes": fast_peak, "state_bytes": rt.state.nbytes(), "calibration": rt.cal.to_json(),
+              "step_bit_equal": [sum(step_equal), len(step_equal)],
+              "raw": {"step_s": step_times, "rollback_s": rb}}
+    del rt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

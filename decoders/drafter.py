@@ -130,7 +130,7 @@ class MTPDrafter:
         query = L.rms_norm(attn.q_norm, query, cal, consts, 1 << 30).transpose(1, 2)
         key = L.rms_norm(attn.k_norm, attn.k_proj(h).view(1, m, -1, hd), cal, consts, 1 << 30).transpose(1, 2)
         value = attn.v_proj(h).view(1, m, -1, hd).transpose(1, 2)
-        query, key = L.apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = L.rotary(query, cos, sin), L.rotary(key, cos, sin)
         self.keys.index_copy_(2, positions, key)
         self.values.index_copy_(2, positions, value)
         return x, query, gate

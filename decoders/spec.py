@@ -75,6 +75,10 @@ class PhaseTimer:
         else:
             self.totals[self._name] = self.totals.get(self._name, 0.0) + time.perf_counter() - self._start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds of a phase timed elsewhere (a plain step, by the host clock between two syncs)."""
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
     def result(self) -> dict[str, float]:
         for name, a, b in self.marks:
             self.totals[name] = self.totals.get(name, 0.0) + a.elapsed_time(b) / 1e3
@@ -92,41 +96,28 @@ def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
 
 
 class Pending:
-    """Between rounds, the head rows not yet computed with true inputs, in buffers of the decode's
-    length: backbone hidden states ``hidden[:, :n]`` [1,n,H] and the token after each
-    ``tokens[:, :n]`` [1,n], the last of which is ``y``, the last emitted token (the next backbone
-    input). Rows are copied in place, so a plain step allocates nothing beyond what fast-serial's
-    does (two clones per step measured ~1% of tiny's CPU step)."""
+    """Between rounds, the head rows not yet computed with true inputs: positions [first, length)
+    of the runtime's kept rows (``StaticState.row_hidden``, ``row_next``), i.e. each position's
+    final hidden state and the token after it. The runtime's forwards write those rows inside
+    their graphs, so a plain step or a kept window adds rows without a copy. ``y`` is the token
+    after the last committed position: the last emitted token, the next backbone input."""
 
-    def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.hidden = torch.empty(1, rows, hidden_size, dtype=dtype, device=device)
-        self.tokens = torch.empty(1, rows, dtype=torch.long, device=device)
-        self.n = 0
-        self.y = self.tokens[:, :1]
+    def __init__(self, runtime: ExactRuntime):
+        self.runtime = runtime
+        self.first = runtime.length - 1  # the prompt's last position: its rows come with the prefill
         # (hidden [1,P,H], prompt ids): the head's prompt rows, made by the decode's first draft
         self.prompt: tuple[torch.Tensor, list[int]] | None = None
 
-    def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The pending rows become these m rows ([1,m,H], [1,m]); y their last token."""
-        m = tokens.shape[-1]
-        self.hidden[:, :m].copy_(hidden)
-        self.tokens[:, :m].copy_(tokens)
-        self.n = m
-        self.y = self.tokens[:, m - 1:m]
-
-    def add(self, hidden: torch.Tensor, token: torch.Tensor) -> None:
-        """One more row ([1,1,H], [1,1]); y its token."""
-        n = self.n
-        self.hidden[:, n:n + 1].copy_(hidden)
-        self.tokens[:, n:n + 1].copy_(token)
-        self.n = n + 1
-        self.y = self.tokens[:, n:n + 1]
+    @property
+    def y(self) -> torch.Tensor:
+        end = self.runtime.length
+        return self.runtime.state.row_next[:, end - 1:end]
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending rows, handed to the head: none are left, and ``y`` stays readable until the
-        next ``start`` or ``add`` (which read it first)."""
-        n, self.n = self.n, 0
-        return self.hidden[:, :n], self.tokens[:, :n]
+        """The pending rows ([1,m,H], [1,m]), handed to the head: none are left after."""
+        st, a, b = self.runtime.state, self.first, self.runtime.length
+        self.first = b
+        return st.row_hidden[:, a:b], st.row_next[:, a:b]
 
 
 class SpecDecoder:
@@ -165,7 +156,8 @@ class SpecDecoder:
 
     def _build(self, capacity: int) -> None:
         cal = self.runtime.cal if self.runtime is not None else None
-        self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal)
+        self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)), cal=cal,
+                                    keep_rows=True)
         path = self.shortlist_source()
         ids = load_shortlist(path, self.model.vocab_size) if path else None
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
@@ -262,7 +254,7 @@ class SpecDecoder:
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
         with timer.phase("other"):
-            pending = self._prefill(prompt_ids, max_new_tokens + 1)
+            pending = self._prefill(prompt_ids)
             tokens = [int(pending.y.item())]
         stats.forwards += 1
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
@@ -276,12 +268,14 @@ class SpecDecoder:
                 depth, last = 0, time.perf_counter()
             stats.extra["depth_trace"].append(depth)
             if depth == 0:
-                new = self._plain_step(pending, timer)
+                new = self._plain_step(pending)
             else:
                 new = self._spec_round(pending, depth, len(tokens), timer)
                 policy.update(depth, len(new) - 1)
                 stats.record_round(depth, len(new) - 1)
             now = time.perf_counter()  # the round's tokens were just read: a sync point
+            if depth == 0:
+                timer.add("verify", now - last)
             if depth == 0 or drafting:
                 policy.observe(depth, now - last)
             if draft is not None:
@@ -296,10 +290,9 @@ class SpecDecoder:
         stats.extra["policy"] = policy.state()
         return DecodeResult(tokens, stats)
 
-    def _prefill(self, prompt_ids: list[int], rows: int) -> Pending:
-        logits, hidden = self.runtime.prefill(prompt_ids)
-        pending = Pending(rows, hidden.shape[-1], hidden.dtype, hidden.device)
-        pending.start(hidden[:, -1:], logits.argmax(-1).view(1, 1))
+    def _prefill(self, prompt_ids: list[int]) -> Pending:
+        _, hidden = self.runtime.prefill(prompt_ids)
+        pending = Pending(self.runtime)
         pending.prompt = (hidden, prompt_ids)
         return pending
 
@@ -310,11 +303,11 @@ class SpecDecoder:
             self.drafter.prefill(*pending.prompt)
         pending.prompt = None
 
-    def _plain_step(self, pending: Pending, timer: PhaseTimer) -> list[int]:
-        """One exact step; its row joins the head's pending rows. Returns the emitted token."""
-        with timer.phase("verify"):
-            prog = self.runtime.step(pending.y)
-        pending.add(prog.ws["hidden"], prog.ws["argmax"].view(1, 1))
+    def _plain_step(self, pending: Pending) -> list[int]:
+        """One exact step; its row joins the head's pending rows (the runtime keeps it). Returns
+        the emitted token. Timed by the decode loop's host clock, not by events: at a step's cost
+        on a fast GPU, two event records a step would show."""
+        self.runtime.step(pending.y)
         return [int(pending.y.item())]
 
     def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:
@@ -340,9 +333,8 @@ class SpecDecoder:
         j = accepted_prefix(pred, drafted)
         with timer.phase("rollback"):
             rt.accept(j + 1)
-        # the kept tokens are the window's argmax rows 0..j (accepted drafts equal them), so the
-        # next round's inputs stay on the device: no host-to-device copy, which would wait too
-        pending.start(prog.ws["hidden"][:, :j + 1], argmax[:, :j + 1])
+        # the kept rows 0..j are pending now: the window left them in the runtime's kept rows, so
+        # the next round's inputs stay on the device with no copy
         return pred[:j + 1]
 
 

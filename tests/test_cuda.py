@@ -19,6 +19,7 @@ from core import determinism
 from core.models import load_model
 from decoders import get_decoder
 from decoders.drafter import MTPDrafter
+from decoders.runtime.lanes import Lanes
 from decoders.runtime.runtime import ExactRuntime
 from decoders.serial import SerialDecoder
 from fixtures.prompts import DEV_PROMPTS
@@ -66,6 +67,7 @@ def test_graphed_steps_equal_the_control(models, which):
     stream, ref_logits, ref_states = control(model, prompt, 40)
     rt = ExactRuntime(model, capacity=128, windows=(1,))
     assert rt.use_graphs and rt.program(1, capture=False).graphs is not None
+    assert rt.lanes.width >= 3  # the layers' branches run on their own streams inside the graphs
     logits, _ = rt.prefill(prompt)
     assert torch.equal(logits, ref_logits[0])
     for k, t in enumerate(stream):
@@ -174,3 +176,40 @@ def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
         accepted += res.stats.accepted
     if name == "spec-instrument":
         assert accepted > 0  # long accepted runs and rollbacks really happened on the GPU
+
+
+def test_lanes_fork_and_each_join_back_in_order():
+    """Branches on side streams: results in order, and the current stream sees their writes."""
+    lanes = Lanes.on(torch.device("cuda"), 4)
+    assert lanes.width == 4
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    big = [lambda k=k: (x * k).sum() for k in range(4)]
+    assert [float(v) for v in lanes.fork(*big)] == [float((x * k).sum()) for k in range(4)]
+    out = torch.zeros(10, device="cuda")
+    lanes.each(lambda i: out[i].fill_(i + 1), 10)
+    assert out.tolist() == [float(i + 1) for i in range(10)]
+    with pytest.raises(ValueError):
+        lanes.fork(*big, big[0])
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_windows_with_and_without_lanes_are_bit_identical(models, which):
+    """The same windows and rollbacks on one stream and on the lanes: every logit and the final
+    state equal."""
+    model = models[which]
+    prompt = random_prompt(model, 23, seed=5)
+    stream, _, _ = control(model, prompt, 12)
+    runs = {}
+    for lanes in (1, None):
+        rt = ExactRuntime(model, capacity=96, windows=tuple(range(1, 9)), lanes=lanes)
+        rt.prefill(prompt)
+        logits, at = [], 0
+        for w, keep in ((8, 3), (3, 3), (1, 1)):
+            logits.append(rt.verify(torch.tensor([stream[at:at + w]], device=model.device)).ws["logits"].clone())
+            rt.accept(keep)
+            at += keep
+        runs[rt.lanes.width] = (logits, [t.clone() for t in rt.state.tensors()])
+    assert sorted(runs)[0] == 1 and sorted(runs)[1] >= 8
+    (a_logits, a_state), (b_logits, b_state) = runs.values()
+    assert all(torch.equal(a, b) for a, b in zip(a_logits, b_logits))
+    assert all(torch.equal(a, b) for a, b in zip(a_state, b_state))

@@ -221,3 +221,15 @@ def test_constants_belong_to_the_runtime(tiny):
     assert torch.equal(made, 1.0 + norm.weight.float())
     b = ExactRuntime(tiny, capacity=32, windows=(1,), cal=a.cal)
     assert b.constants.get(norm, "scale", lambda: "fresh") == "fresh"
+
+
+def test_lanes_off_the_gpu_run_branches_in_order():
+    """Without CUDA streams every branch runs in order on the caller's thread, results in order."""
+    from decoders.runtime.lanes import SERIAL, Lanes
+
+    lanes = Lanes.on(torch.device("cpu"), 8)
+    assert lanes is SERIAL and lanes.width == 1
+    seen = []
+    assert lanes.fork(*[lambda i=i: seen.append(i) or i * i for i in range(5)]) == [0, 1, 4, 9, 16]
+    assert lanes.each(lambda i: seen.append(10 + i) or -i, 3) == [0, -1, -2]
+    assert seen == [0, 1, 2, 3, 4, 10, 11, 12]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
-from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+from transformers.models.qwen3_5.modeling_qwen3_5 import rotate_half
+
+from decoders.runtime.lanes import SERIAL, Lanes
 
 
 def rows(fn, x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
@@ -52,28 +54,34 @@ class Constants:
         return self._made[key]
 
 
-def rms_norm(norm, x: torch.Tensor, cal, consts: Constants, batch: int | None = None) -> torch.Tensor:
+def rms_norm(norm, x: torch.Tensor, cal, consts: Constants, batch: int | None = None,
+             lanes: Lanes = SERIAL) -> torch.Tensor:
     """Qwen3_5RMSNorm (zero-centred weight) over x's last dim, rows along dim 1; the statistic is
-    computed in row chunks of ``batch`` (default: the hidden-size proof)."""
+    computed in row chunks of ``batch`` (default: the hidden-size proof), the chunks on the lanes."""
     batch = cal.hidden_mean if batch is None else batch
     xf = x.float()
     sq = xf.pow(2)
-    var = row_mean(sq, batch)
+    var = row_mean(sq, batch, lanes)
     out = xf * ew(torch.rsqrt, var + norm.eps, 1, cal)
     out = out * consts.get(norm, "scale", lambda: 1.0 + norm.weight.float())
     return out.type_as(x)
 
 
-def row_mean(sq: torch.Tensor, batch: int) -> torch.Tensor:
+def row_mean(sq: torch.Tensor, batch: int, lanes: Lanes = SERIAL) -> torch.Tensor:
     """``sq.mean(-1, keepdim=True)`` with tokens along dim 1, in chunks of ``batch`` tokens, each
-    chunk's mean written straight into its slice of the result (same kernel, no concatenation)."""
+    chunk's mean written straight into its slice of the result (same kernel, no concatenation).
+    The chunks are independent reductions: they run on the lanes."""
     n = sq.shape[1]
     if n <= batch:
         return sq.mean(-1, keepdim=True)
     var = sq.new_empty((*sq.shape[:-1], 1))
-    for i in range(0, n, batch):
+
+    def chunk(j: int) -> None:
+        i = j * batch
         m = min(batch, n - i)
         torch.mean(sq.narrow(1, i, m).contiguous(), -1, keepdim=True, out=var.narrow(1, i, m))
+
+    lanes.each(chunk, -(-n // batch))
     return var
 
 
@@ -103,20 +111,33 @@ def serial_sdpa(attn, query, key, value) -> torch.Tensor:
 
 
 def gdn_window(mod, x, conv_state, rec_state, cal, consts: Constants, conv_cat, rec_capture=None,
-               deferred: bool = False):
+               deferred: bool = False, lanes: Lanes = SERIAL):
     """Gated-DeltaNet token mixer over w rows. Updates ``conv_state`` and ``rec_state`` in place to
     the state after the last row and returns the output [1,w,H]. ``conv_cat`` ([1,C,K+w]) receives
     [conv state ++ window inputs], so the conv state after row i is ``conv_cat[..., i+1:i+1+K]``;
     with ``rec_capture`` ([>=w,1,Hv,dk,dv]) the recurrent state after row i is left in
     ``rec_capture[i]``. Those two are what rollback restores. With ``deferred`` the two final-state
     copies (conv state from ``conv_cat``; the recurrent state from ``rec_capture[w-1]`` where the
-    readout is batched) are left to the caller, who makes them for every layer in one copy."""
+    readout is batched) are left to the caller, who makes them for every layer in one copy.
+
+    The layer's three branches meet only at the recurrence: q/k/v (projection, conv, norms), the
+    output gate z, and beta with the decay. They run on three lanes."""
+    w = x.shape[1]
+    (query, key, value), gates, (beta, decay, decay_exp) = lanes.fork(
+        lambda: gdn_qkv(mod, x, conv_state, cal, conv_cat, deferred),
+        lambda: gdn_output_gate(mod, x, cal),
+        lambda: gdn_decay(mod, x, cal, consts))
+    core = recurrent_rule(query, key, value, beta, decay, decay_exp, rec_state, cal, rec_capture,
+                          out_dtype=x.dtype, deferred=deferred)
+    core = gated_norm(mod, core.reshape(-1, mod.head_v_dim), gates, w, cal.gated_norm).reshape(1, w, -1)
+    return linear(mod.out_proj, core, cal)
+
+
+def gdn_qkv(mod, x, conv_state, cal, conv_cat, deferred: bool):
+    """Projection, causal conv and the recurrent rule's q/k L2 norms: query (normed and scaled),
+    key (normed) [1,Hv,w,dk] and value [1,Hv,w,dv], all fp32."""
     w = x.shape[1]
     qkv = linear(mod.in_proj_qkv, x, cal)
-    z = linear(mod.in_proj_z, x, cal).reshape(1, w, -1, mod.head_v_dim)
-    b = linear(mod.in_proj_b, x, cal)
-    a = linear(mod.in_proj_a, x, cal)
-
     # transformers' causal_conv1d_update, over the whole window at once where proven
     k = conv_state.shape[-1]
     weight = mod.conv1d.weight.squeeze(1).unsqueeze(1)
@@ -134,12 +155,7 @@ def gdn_window(mod, x, conv_state, rec_state, cal, consts: Constants, conv_cat, 
     # one by one; casting once before the split gives the same values with fewer kernels
     mixed = conv.to(qkv.dtype).float().transpose(1, 2)
     value = mixed[..., 2 * mod.key_dim:].reshape(1, w, -1, mod.head_v_dim)
-    beta = ew(torch.sigmoid, b, 1, cal)
-    neg_a = consts.get(mod, "neg_A", lambda: -mod.A_log.float().exp())
-    # HF: softplus(a.float() + dt_bias) in fp32; with dt_bias kept in fp32, bf16 a + fp32 promotes
-    # a exactly inside the add: the same sum, one kernel fewer
-    dt_bias = consts.get(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
-    g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
+    value = value.transpose(1, 2).to(torch.float32)  # only ever read elementwise: layout is free
     rep = mod.num_v_heads // mod.num_k_heads
     fused = w <= cal.qk_l2norm
     if fused:
@@ -156,41 +172,72 @@ def gdn_window(mod, x, conv_state, rec_state, cal, consts: Constants, conv_cat, 
                       for t in torch.split(mixed[..., :2 * mod.key_dim], [mod.key_dim, mod.key_dim], dim=-1)]
         if rep > 1:
             query, key = query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2)
-    core = recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture, out_dtype=qkv.dtype,
-                          qk_normed=fused, deferred=deferred)
-    core = core.reshape(-1, mod.head_v_dim)
-    z = z.reshape(-1, mod.head_v_dim)
-    core = gated_norm(mod, core, z, w, cal.gated_norm)
-    core = core.reshape(1, w, -1)
-    return linear(mod.out_proj, core, cal)
-
-
-def gated_norm(mod, core, z, w: int, batch: int):
-    """The output norm over [w*Hv, dv] rows, in chunks of ``batch`` tokens (Hv rows each)."""
-    if w <= batch:
-        return mod.norm(core, z)
-    hv = mod.num_v_heads
-    return torch.cat([mod.norm(core[i * hv:(i + min(batch, w - i)) * hv], z[i * hv:(i + min(batch, w - i)) * hv])
-                      for i in range(0, w, batch)], dim=0)
-
-
-def recurrent_rule(query, key, value, g, beta, rec_state, cal, rec_capture=None, out_dtype=None,
-                   qk_normed: bool = False, deferred: bool = False):
-    """transformers' torch_recurrent_gated_delta_rule (q/k L2-normed in the kernel), token by token,
-    starting from ``rec_state`` and leaving the final state in it. q, k, v may already be fp32;
-    with ``qk_normed`` q and k arrive already as [1,Hv,w,dk] fp32, contiguous and L2-normed."""
-    w = value.shape[1]
-    out_dtype = out_dtype or value.dtype
-    beta, decay = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (beta, g)]
-    value = value.transpose(1, 2).to(torch.float32)  # only ever read elementwise: layout is free
-    if not qk_normed:
+        # the recurrent rule's own L2 norms, in fp32 [1,Hv,w,dk]
         query, key = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
                       for t in (query, key)]
         query = rows(l2norm, query, 2, cal.l2norm)
         key = rows(l2norm, key, 2, cal.l2norm)
     query = query / (query.shape[-1] ** 0.5)
-    state = rec_state.to(value)
+    return query, key, value
+
+
+def gdn_decay(mod, x, cal, consts: Constants):
+    """beta = sigmoid(b) and the decay g = -exp(A_log) * softplus(a + dt_bias), as the recurrent
+    rule reads them ([1,Hv,w] fp32, contiguous), and exp(g) where it may be taken over the window."""
+    w = x.shape[1]
+    b = linear(mod.in_proj_b, x, cal)
+    a = linear(mod.in_proj_a, x, cal)
+    beta = ew(torch.sigmoid, b, 1, cal)
+    neg_a = consts.get(mod, "neg_A", lambda: -mod.A_log.float().exp())
+    # HF: softplus(a.float() + dt_bias) in fp32; with dt_bias kept in fp32, bf16 a + fp32 promotes
+    # a exactly inside the add: the same sum, one kernel fewer
+    dt_bias = consts.get(mod, "dt_bias_f32", lambda: mod.dt_bias.float())
+    g = neg_a * ew(F.softplus, a + dt_bias, 1, cal)
+    beta, decay = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (beta, g)]
+    # exp of each token's decay over the window at once, unless the serial layout is required
     decay_exp = decay.exp() if cal.elementwise or w == 1 else None
+    return beta, decay, decay_exp
+
+
+def gdn_output_gate(mod, x, cal) -> list[torch.Tensor]:
+    """The output norm's gate, act(z) in fp32 (HF: ``act(gate.to(float32))``), in the token chunks
+    ``gated_norm`` normalises: [w*Hv, dv] rows."""
+    w = x.shape[1]
+    z = linear(mod.in_proj_z, x, cal).reshape(-1, mod.head_v_dim)
+    act = ACT2FN[mod.norm.activation]
+    return [act(chunk.to(torch.float32)) for chunk in token_chunks(z, w, cal.gated_norm, mod.num_v_heads)]
+
+
+def token_chunks(t: torch.Tensor, w: int, batch: int, per_token: int) -> list[torch.Tensor]:
+    """t's [w*per_token, ...] rows as chunks of at most ``batch`` tokens."""
+    if w <= batch:
+        return [t]
+    return [t[i * per_token:(i + min(batch, w - i)) * per_token] for i in range(0, w, batch)]
+
+
+def gated_norm(mod, core, gates: list[torch.Tensor], w: int, batch: int):
+    """Qwen3_5RMSNormGated over [w*Hv, dv] rows, op for op, in chunks of ``batch`` tokens, with
+    the gate's activation already made (``gdn_output_gate``)."""
+    norm = mod.norm
+    outs = []
+    for chunk, gate in zip(token_chunks(core, w, batch, mod.num_v_heads), gates):
+        h = chunk.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + norm.variance_epsilon)
+        h = norm.weight * h.to(chunk.dtype)
+        outs.append((h * gate).to(chunk.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def recurrent_rule(query, key, value, beta, decay, decay_exp, rec_state, cal, rec_capture=None, out_dtype=None,
+                   deferred: bool = False):
+    """transformers' torch_recurrent_gated_delta_rule, token by token, starting from ``rec_state``
+    and leaving the final state in it. Everything before the loop is made by ``gdn_qkv`` and
+    ``gdn_decay``: query (L2-normed and scaled), key (L2-normed) and value as [1,Hv,w,d] fp32;
+    beta and decay as [1,Hv,w] fp32; ``decay_exp`` = exp(decay) when taken over the window."""
+    w = value.shape[2]
+    out_dtype = out_dtype or value.dtype
+    state = rec_state.to(value)
     batched_readout = uses_batched_readout(w, rec_capture is not None, cal)
     outs = []
     for i in range(w):
@@ -241,21 +288,29 @@ def batched_readout_rows(query, states, batch: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- gated attention
 
 
-def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constants):
+def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constants, lanes: Lanes = SERIAL):
     """Projections, per-head norms, RoPE; writes this window's K/V into the static buffers at
-    ``positions``. Returns (per-row contiguous queries, gate)."""
+    ``positions``. Returns (per-row contiguous queries, the output gate's sigmoid). Query, key and
+    value are independent until attention reads them: three lanes."""
     w = x.shape[1]
     hd = mod.head_dim
-    query, gate = torch.chunk(linear(mod.q_proj, x, cal).view(1, w, -1, hd * 2), 2, dim=-1)
-    if not cal.elementwise:  # HF's contiguous gate, so that sigmoid sees the serial layout
-        gate = gate.reshape(1, w, -1)
-    query = rms_norm(mod.q_norm, query.view(1, w, -1, hd), cal, consts, cal.head_norm).transpose(1, 2)
-    key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, consts,
-                   cal.head_norm).transpose(1, 2)
-    value = linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2)
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    kbuf.index_copy_(2, positions, key)
-    vbuf.index_copy_(2, positions, value)
+
+    def query_and_gate():
+        query, gate = torch.chunk(linear(mod.q_proj, x, cal).view(1, w, -1, hd * 2), 2, dim=-1)
+        if not cal.elementwise:  # HF's contiguous gate, so that sigmoid sees the serial layout
+            gate = gate.reshape(1, w, -1)
+        query = rms_norm(mod.q_norm, query.view(1, w, -1, hd), cal, consts, cal.head_norm).transpose(1, 2)
+        return rotary(query, cos, sin), ew(torch.sigmoid, gate, 1, cal)
+
+    def key():
+        key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, consts,
+                       cal.head_norm).transpose(1, 2)
+        kbuf.index_copy_(2, positions, rotary(key, cos, sin))
+
+    def value():
+        vbuf.index_copy_(2, positions, linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2))
+
+    (query, gate), _, _ = lanes.fork(query_and_gate, key, value)
     if w == 1:
         return [query], gate
     # each row's query as its own contiguous [1,H,1,hd] block, as the serial step has it: one
@@ -265,16 +320,27 @@ def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constant
     return q_rows, gate
 
 
-def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, contiguous_kv: bool) -> None:
-    """q_len=1 attention for each row, over exactly the KV length the serial step would see.
-    Kept outside CUDA graphs: the length changes every token."""
-    rows_out = []
-    for i, q in enumerate(q_rows):
-        length = start + i + 1
-        k, v = kbuf[:, :, :length], vbuf[:, :, :length]
+def rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one of its two tensors, op for op (it treats q and
+    k alike and separately), so that q and k can be rotated on different lanes."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    t_rot, t_pass = t[..., :rotary_dim], t[..., rotary_dim:]
+    return torch.cat([(t_rot * cos) + (rotate_half(t_rot) * sin), t_pass], dim=-1)
+
+
+def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, contiguous_kv: bool,
+                   lanes: Lanes = SERIAL) -> None:
+    """q_len=1 attention for each row, over exactly the KV length the serial step would see; the
+    rows are independent, so they run on the lanes. Kept outside CUDA graphs: the length changes
+    every token."""
+    def row(i: int) -> torch.Tensor:
+        k, v = kbuf[:, :, :start + i + 1], vbuf[:, :, :start + i + 1]
         if contiguous_kv:
             k, v = k.contiguous(), v.contiguous()
-        rows_out.append(serial_sdpa(mod, q, k, v).reshape(1, 1, -1))
+        return serial_sdpa(mod, q_rows[i], k, v).reshape(1, 1, -1)
+
+    rows_out = lanes.each(row, len(q_rows))
     if len(rows_out) == 1:
         out.copy_(rows_out[0])
     else:  # one copy into the static buffer for the whole window, not one per row
@@ -282,11 +348,14 @@ def attention_core(mod, q_rows, kbuf, vbuf, start: int, out: torch.Tensor, conti
 
 
 def attention_post(mod, attn_out, gate, cal):
+    """The output gate (its sigmoid made by ``attention_pre``) and o_proj."""
     w = attn_out.shape[1]
-    gated = attn_out.view(gate.shape) * ew(torch.sigmoid, gate, 1, cal)
+    gated = attn_out.view(gate.shape) * gate
     return linear(mod.o_proj, gated.view(1, w, -1), cal)
 
 
-def mlp(mod, x, cal):
-    return linear(mod.down_proj, ew(mod.act_fn, linear(mod.gate_proj, x, cal), 1, cal) * linear(mod.up_proj, x, cal),
-                  cal)
+def mlp(mod, x, cal, lanes: Lanes = SERIAL):
+    """down(act(gate(x)) * up(x)); the gate and up projections on two lanes."""
+    act, up = lanes.fork(lambda: ew(mod.act_fn, linear(mod.gate_proj, x, cal), 1, cal),
+                         lambda: linear(mod.up_proj, x, cal))
+    return linear(mod.down_proj, act * up, cal)

@@ -14,11 +14,13 @@ import torch
 
 from decoders.runtime import layers as L
 from decoders.runtime.graphs import capture_segments, run_segments
+from decoders.runtime.lanes import Lanes
 
 
 class WindowProgram:
-    def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool):
+    def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool, lanes: Lanes):
         self.model, self.state, self.rope, self.cal, self.consts, self.w = model, state, rope, cal, consts, w
+        self.lanes = lanes  # the streams independent branches run on (lanes.py)
         self.capture_states = capture_states
         lm = model.backbone
         dev = model.device
@@ -63,24 +65,24 @@ class WindowProgram:
     def _gdn(self, idx):
         layer = self.model.backbone.model.layers[idx]
         x = self.ws["x"]
-        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts)
+        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts, lanes=self.lanes)
         cap = self.state.rec_capture[idx] if self.capture_states else None
         h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal, self.consts,
-                         self.conv_cat[self.state.slot[idx]], cap, deferred=True)
+                         self.conv_cat[self.state.slot[idx]], cap, deferred=True, lanes=self.lanes)
         self._mlp(layer, x + h)
 
     def _attn_pre(self, idx):
         layer = self.model.backbone.model.layers[idx]
         x = self.ws["x"]
-        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts)
+        h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts, lanes=self.lanes)
         q_rows, gate = L.attention_pre(layer.self_attn, h, self.ws["cos"], self.ws["sin"], self.state.keys[idx],
-                                       self.state.values[idx], self.positions, self.cal, self.consts)
+                                       self.state.values[idx], self.positions, self.cal, self.consts, self.lanes)
         self.ws[("q", idx)], self.ws[("gate", idx)] = q_rows, gate
 
     def _attn_core(self, idx):
         layer = self.model.backbone.model.layers[idx]
         L.attention_core(layer.self_attn, self.ws[("q", idx)], self.state.keys[idx], self.state.values[idx],
-                         self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok)
+                         self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok, lanes=self.lanes)
 
     def _attn_post(self, idx):
         layer = self.model.backbone.model.layers[idx]
@@ -88,8 +90,8 @@ class WindowProgram:
         self._mlp(layer, self.ws["x"] + h)
 
     def _mlp(self, layer, x):
-        h = L.rms_norm(layer.post_attention_layernorm, x, self.cal, self.consts)
-        self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal)
+        h = L.rms_norm(layer.post_attention_layernorm, x, self.cal, self.consts, lanes=self.lanes)
+        self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal, self.lanes)
 
     def _commit_states(self):
         """The final Gated-DeltaNet states of every layer, each written in one copy rather than one
@@ -103,10 +105,14 @@ class WindowProgram:
 
     def _head(self):
         lm = self.model.backbone
-        hidden = L.rms_norm(lm.model.norm, self.ws["x"], self.cal, self.consts)
+        hidden = L.rms_norm(lm.model.norm, self.ws["x"], self.cal, self.consts, lanes=self.lanes)
         self.ws["hidden"] = hidden
         self.ws["logits"] = L.linear(lm.lm_head, hidden, self.cal)
         self.ws["argmax"] = self.ws["logits"].argmax(-1)
+        st = self.state
+        if st.row_hidden is not None:  # each position's rows, kept for the MTP head (state.py)
+            st.row_hidden.index_copy_(1, self.positions, hidden)
+            st.row_next.index_copy_(1, self.positions, self.ws["argmax"])
 
     # ------------------------------------------------------------------ running
 

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.graphs import capture_segments
+from decoders.runtime.lanes import Lanes
 from decoders.runtime.layers import Constants
 from decoders.runtime.program import WindowProgram
 from decoders.runtime.state import StaticState
@@ -23,7 +24,7 @@ from decoders.runtime.state import StaticState
 
 class ExactRuntime:
     def __init__(self, model, capacity: int, windows=(1,), cal: Calibration | None = None,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, lanes: int | None = None, keep_rows: bool = False):
         self.model = model
         lm = model.backbone
         self.device = model.device
@@ -31,10 +32,13 @@ class ExactRuntime:
         self.max_window = max(windows)
         self.cal = cal or calibrate(model, max_rows=max(8, self.max_window))
         self.constants = Constants()  # weight-only tensors of this model's forward, made once
-        self.state = StaticState(lm, capacity, self.max_window, self.device)
+        self.state = StaticState(lm, capacity, self.max_window, self.device, keep_rows=keep_rows)
         self.rope = self._rope_table(capacity)
         self._arange = torch.arange(capacity, device=self.device)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        # streams for a layer's independent branches: three in a Gated-DeltaNet layer, one per
+        # row of a window's per-row reductions; ``lanes=1`` runs every branch in order
+        self.lanes = Lanes.on(self.device, max(3, self.max_window) if lanes is None else lanes)
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
@@ -67,7 +71,7 @@ class ExactRuntime:
         key = (w, capture)
         if key not in self.programs:
             prog = WindowProgram(self.model, self.state, self.rope, self.cal, self.constants, w,
-                                 capture_states=capture)
+                                 capture_states=capture, lanes=self.lanes)
             if self.use_graphs:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
                 # state intact for a program built mid-decode
@@ -93,6 +97,9 @@ class ExactRuntime:
         hidden = out.last_hidden_state
         logits = lm.lm_head(hidden[:, -1:, :])
         self.state.load_from_cache(cache, len(prompt_ids))
+        if self.state.row_hidden is not None:  # the last prompt position's rows, as a step leaves them
+            self.state.row_hidden[:, len(prompt_ids) - 1].copy_(hidden[:, -1])
+            self.state.row_next[:, len(prompt_ids) - 1].copy_(logits[:, -1].argmax(-1))
         self.length = len(prompt_ids)
         self.prefilled = True
         self.last_verify = None

@@ -12,7 +12,7 @@ import torch
 
 
 class StaticState:
-    def __init__(self, backbone, capacity: int, max_window: int, device):
+    def __init__(self, backbone, capacity: int, max_window: int, device, keep_rows: bool = False):
         cfg = backbone.config
         self.capacity = capacity
         self.attn_layers, self.gdn_layers = [], []
@@ -44,6 +44,12 @@ class StaticState:
             self.rec[idx] = self.rec_all[slot]
             self.rec_capture[idx] = self.rec_capture_all[slot]
             self.gdn_layers.append(idx)
+        # with keep_rows, every forward leaves each position's final hidden state and argmax here
+        # (what the MTP head consumes), written inside the graphs: no copy per step outside them
+        self.row_hidden = self.row_next = None
+        if keep_rows:
+            self.row_hidden = torch.zeros(1, capacity, cfg.hidden_size, dtype=dtype, device=device)
+            self.row_next = torch.zeros(1, capacity, dtype=torch.long, device=device)
 
     @torch.no_grad()
     def load_from_cache(self, cache, length: int) -> None:
@@ -60,7 +66,9 @@ class StaticState:
             self.rec[idx].copy_(layer.recurrent_states[0])
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all]
+        """Everything a decode carries from one forward to the next (not the capture slots)."""
+        kept = [t for t in (self.row_hidden, self.row_next) if t is not None]
+        return [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all, *kept]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.tensors()]
@@ -70,4 +78,5 @@ class StaticState:
 
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all, self.rec_capture_all]
+        tensors += [t for t in (self.row_hidden, self.row_next) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)

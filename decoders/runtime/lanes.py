@@ -1,0 +1,70 @@
+"""Independent branches of a forward, each on its own CUDA stream.
+
+A decode step is ~2,500 small kernels, and inside a CUDA graph each costs ~1 us whatever its size,
+so a chain of dependent kernels takes as long as its length. Where a layer's work splits into
+branches that meet later (the z gate, the decay and the q/k/v path of a Gated-DeltaNet layer;
+q, k and v of attention; the rows of a window's per-row reductions), ``Lanes.fork`` runs each
+branch on its own stream, forked from the current stream and joined back before it returns.
+Captured in a graph, the branches become parallel paths of the graph.
+
+The bits cannot change: every branch runs the same kernels on the same inputs as it would in
+sequence; only when they run changes. Memory stays safe under the caching allocator because the
+join comes before the caller continues: a tensor made on a lane and used afterwards is only
+reused by that lane after its next fork, which waits for everything the current stream has
+queued. On a CPU (and with ``SERIAL``) the branches simply run in order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class Lanes:
+    def __init__(self, streams: Sequence["torch.cuda.Stream"] = ()):
+        self.streams = tuple(streams)
+
+    @classmethod
+    def on(cls, device: torch.device, width: int) -> "Lanes":
+        """Up to ``width`` branches at once on a CUDA device; in order elsewhere."""
+        if device.type != "cuda" or width < 2:
+            return SERIAL
+        return cls([torch.cuda.Stream(device) for _ in range(width - 1)])
+
+    @property
+    def width(self) -> int:
+        return len(self.streams) + 1
+
+    def fork(self, *branches: Callable[[], object]) -> list:
+        """Each branch's result, in order; branch 0 runs on the current stream, each other on a
+        stream of its own, and the current stream waits for all of them before this returns."""
+        if not self.streams or len(branches) < 2:
+            return [branch() for branch in branches]
+        if len(branches) > self.width:
+            raise ValueError(f"{len(branches)} branches on {self.width} lanes")
+        main = torch.cuda.current_stream()
+        sides = self.streams[:len(branches) - 1]
+        for side in sides:
+            side.wait_stream(main)
+        results = [branches[0]()]
+        for side, branch in zip(sides, branches[1:]):
+            with torch.cuda.stream(side):
+                results.append(branch())
+        for side in sides:
+            main.wait_stream(side)
+        return results
+
+    def each(self, fn: Callable[[int], object], count: int) -> list:
+        """``fn(i)`` for i in range(count), spread over the lanes in turn (lane i % width)."""
+        if not self.streams or count < 2:
+            return [fn(i) for i in range(count)]
+        groups = [range(j, count, self.width) for j in range(min(self.width, count))]
+        by_group = self.fork(*[lambda g=g: [fn(i) for i in g] for g in groups])
+        results = [None] * count
+        for g, values in zip(groups, by_group):
+            for i, value in zip(g, values):
+                results[i] = value
+        return results
+
+
+SERIAL = Lanes()  # every branch in order, on the current stream
