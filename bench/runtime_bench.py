@@ -13,6 +13,7 @@ Prints a table last; --json writes every raw number.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -242,7 +243,10 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
               "fast_peak_bytes": fast_peak, "state_bytes": rt.state.nbytes(), "calibration": rt.cal.to_json(),
               "step_bit_equal": [sum(step_equal), len(step_equal)],
               "raw": {"step_s": step_times, "rollback_s": rb}}
+    # a program's segments hold bound methods of the program: only the cycle collector frees a
+    # runtime, and the next variant's peak must not include this one's buffers and graphs
     del rt
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -25,8 +25,9 @@ whether the step's token equals it (``update(1, hit)``), so a probe never costs 
 only the draft. The run starts
 at ``explore_first`` rounds and doubles after each probe up to ``explore_every``, and starts again
 short whenever drafting resumes or a draft is accepted: one unlucky miss early in a decode then
-costs a few plain steps, not ``explore_every`` of them, while at zero acceptance the probes soon come only every
-``explore_every`` steps. A probe is also priced: its loss
+costs a few plain steps, not ``explore_every`` of them, while at zero acceptance the probes soon
+come only every ``explore_every`` steps, or less often when their price asks. A probe is priced:
+its loss
 
   L = min(n_calls * c_draft, max(0, T(1) - (1 + a_1) * T(0))) + first_draft
 
@@ -35,9 +36,12 @@ being what depth 0 costs anyway; less when a depth-1 round is expected to come c
 a head near paying is probed soon; plus, while nothing has been drafted, the head's prompt rows,
 which the decode's first draft makes and a decode that never drafts skips) may take at most
 ``explore_share`` of the run of plain steps before it: the run lasts at least
-L / (explore_share * T(0)) rounds (up to ``explore_every``). Where a head step is dear against a
-step (a CPU: ~0.3 steps on tiny) the first probe waits past ``explore_first``; where it is cheap
-(the GPU: ~0.05 steps) the doubling run rules.
+L / (explore_share * T(0)) rounds, however long that is. Once probes have been timed
+(``observe_probe``: the probe round's wall time less a plain step's), L is at least what they
+really added. Where a head step is dear against a step (a CPU: ~0.3 steps on tiny; a small model
+on a GPU, where a catch-up and a draft are launch-bound: ~2 steps) probes wait past
+``explore_first`` and ``explore_every``; where it is cheap (the 9B shape on a GPU: ~0.05 steps)
+the doubling run rules.
 
 Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
 drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do).
@@ -125,7 +129,7 @@ class DepthPolicy:
     prior: float = 0.3
     strength: float = 2.0  # pseudo-observations behind the prior
     forget: float = 0.97  # per-round decay of old observations
-    explore_every: int = 64  # the longest run of depth-0 rounds between probes
+    explore_every: int = 64  # the longest run of depth-0 rounds between probes, unless their price asks more
     explore_first: int = 8  # the first such run (it doubles after each probe)
     explore_share: float = 0.01  # the most a probe's draft may cost of the plain run before it
     fixed: int | None = None  # a fixed depth (no adaptation), e.g. for benchmarks
@@ -143,6 +147,8 @@ class DepthPolicy:
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
     _drafting: tuple[float, int] | None = field(default=None, repr=False, compare=False)
     _probe_at: int | None = field(default=None, repr=False, compare=False)  # this run's priced length
+    probe_extra: float | None = None  # seconds a probe measurably adds to its plain step (None: none timed)
+    probes_timed: int = 0
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -210,6 +216,8 @@ class DepthPolicy:
         step = self.step_time()
         calls = self.catch_up_calls(rows) if self.catch_up_calls is not None else 1
         loss = min(calls * self.costs.draft, max(0.0, self.round_times()[1] - (1.0 + self.accept[0]) * step))
+        if self.probe_extra is not None:  # what probes have really cost here, when it is more
+            loss = max(loss, self.probe_extra)
         if not self.drafted:
             loss += self.costs.head_prefill if self.first_draft is None else self.first_draft
         return math.ceil(loss / (self.explore_share * step))
@@ -229,7 +237,7 @@ class DepthPolicy:
                 # priced once per run, when the doubling run is done (plain rounds stay a few reads),
                 # for the rows the catch-up will have by then
                 wait = self.probe_wait(self.zero_run + 1)
-                self._probe_at = min(max(wait, self.probe_wait(wait + 1)), self.explore_every)
+                self._probe_at = max(wait, self.probe_wait(wait + 1))
             if self.zero_run >= self._probe_at:
                 self.explore_gap = min(2 * self.zero_run, self.explore_every)
                 self.zero_run = 0
@@ -264,6 +272,22 @@ class DepthPolicy:
             if depth > 0:
                 self._drafting = None
 
+    def observe_probe(self, seconds: float) -> None:
+        """A probe round (the draft and the plain step beside it) took ``seconds`` of wall time: what
+        it added to a plain step becomes the probe's measured price, a running mean over up to
+        ``times.horizon`` probes. The round's step is not a plain round's time: on a GPU it also
+        waits for the draft."""
+        if not (self.online and self.fixed is None) or not seconds > 0:
+            return
+        extra = max(0.0, seconds - self.step_time())
+        self.probes_timed += 1
+        if self.probe_extra is None:
+            self.probe_extra = extra
+        else:
+            self.probe_extra += (extra - self.probe_extra) / min(self.probes_timed, self.times.horizon)
+        self._probe_at = None
+
     def state(self) -> dict:
         return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth(),
-                "round_ms": [round(t * 1e3, 4) for t in self.round_times()], "timed_rounds": list(self.times.rounds)}
+                "round_ms": [round(t * 1e3, 4) for t in self.round_times()], "timed_rounds": list(self.times.rounds),
+                "probe_extra_ms": None if self.probe_extra is None else round(self.probe_extra * 1e3, 4)}

@@ -25,7 +25,7 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
 catch-up covers every row since the last draft, a cost of resuming drafting, not of a round. A
-probe's step is timed as a plain step, from the end of its draft.
+probe round (its draft and the step beside it) is timed whole, as the probe's price.
 """
 from __future__ import annotations
 
@@ -260,12 +260,14 @@ class SpecDecoder:
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
-            if depth and pending.prompt is not None:
+            first_draft = bool(depth) and pending.prompt is not None
+            if first_draft:
                 self._prefill_head(pending, timer)
                 last = time.perf_counter()  # a cost of drafting at all, not of this round
             draft = self._probe(pending, len(tokens), timer) if policy.probing else None
-            if draft is not None:  # a probe is a plain step with a draft beside it: the step alone is timed
-                depth, last = 0, time.perf_counter()
+            step_from = last
+            if draft is not None:  # a probe is a plain step with a draft beside it, timed as a probe
+                depth, step_from = 0, time.perf_counter()
             stats.extra["depth_trace"].append(depth)
             if depth == 0:
                 new = self._plain_step(pending)
@@ -274,10 +276,13 @@ class SpecDecoder:
                 policy.update(depth, len(new) - 1)
                 stats.record_round(depth, len(new) - 1)
             now = time.perf_counter()  # the round's tokens were just read: a sync point
-            if depth == 0:
-                timer.add("verify", now - last)
-            if depth == 0 or drafting:
+            if draft is not None:
+                if not first_draft:  # on a GPU that round also waits for the head's prompt rows
+                    policy.observe_probe(now - last)
+            elif depth == 0 or drafting:
                 policy.observe(depth, now - last)
+            if depth == 0:  # a plain step's time, by the host clock (the draft's is in its phase)
+                timer.add("verify", now - step_from)
             if draft is not None:
                 hit = int(draft.item()) == new[0]
                 policy.update(1, int(hit))

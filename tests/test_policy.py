@@ -325,3 +325,30 @@ def test_a_run_of_plain_steps_is_priced_once():
     depths = drive(p, 0.0, 500)
     probes = sum(1 for d in depths if d > 0)
     assert probes >= 5 and len(calls) <= 2 * (probes + 1)
+
+
+def test_measured_probes_set_their_price_even_past_explore_every():
+    """Probes priced cheap at start-up (GPU costs) but measured dear (a launch-bound small model,
+    ~2 steps each) come only as often as explore_share allows, past explore_every."""
+    p = DepthPolicy(GPU, max_depth=6, explore_every=64)
+    drive(p, 0.0, 300)  # settles at depth 0 with probes every explore_every rounds
+    assert p.probe_wait() < 64
+    for _ in range(3):
+        p.observe_probe(GPU.step + 2 * GPU.step)
+    assert p.probe_extra == pytest.approx(2 * GPU.step)
+    assert p.probe_wait() == math.ceil(2 * GPU.step / (p.explore_share * GPU.step)) == 200
+    depths = drive(p, 0.0, 2000)
+    probes = [i for i, d in enumerate(depths) if d > 0]
+    assert len(probes) <= 2000 // 200 + 1
+    assert all(b - a >= 200 for a, b in zip(probes, probes[1:]))
+    # a probe that turns out cheaper than its start-up price does not lower it below that
+    q = DepthPolicy(TINY_CPU, max_depth=6)
+    before = q.probe_wait()
+    q.observe_probe(TINY_CPU.step)
+    assert q.probe_extra == 0.0 and q.probe_wait() == before
+
+
+def test_probe_times_are_ignored_at_a_fixed_depth_or_offline():
+    for p in (DepthPolicy(GPU, max_depth=6, fixed=2), DepthPolicy(GPU, max_depth=6, online=False)):
+        p.observe_probe(1.0)
+        assert p.probe_extra is None and p.probes_timed == 0
