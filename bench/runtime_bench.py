@@ -156,8 +156,9 @@ def main():
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel-time breakdown of one step")
     ap.add_argument("--lanes", type=lambda v: v.split(","), default=["auto"],
-                    help="runtimes to measure one after another, e.g. 1,auto: 1 = every branch in order on one "
-                         "stream, auto = the runtime's default streams")
+                    help="runtimes to measure one after another, e.g. 1,auto,auto:flat: 1 = every branch in order "
+                         "on one stream, auto = the runtime's default streams, a count = that many, :flat = "
+                         "every lane of equal priority")
     args = ap.parse_args()
 
     import transformers
@@ -216,8 +217,10 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
     dev, lm = model.device, model.backbone
     t0 = time.perf_counter()
     peak_reset(dev)
+    count, _, flat = lanes.partition(":")
     rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
-                      windows=tuple(range(1, args.max_window + 1)), lanes=None if lanes == "auto" else int(lanes))
+                      windows=tuple(range(1, args.max_window + 1)), lanes=None if count == "auto" else int(count),
+                      lane_priority=flat != "flat")
     setup_s = time.perf_counter() - t0
     print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s; calibration "
           f"{json.dumps(rt.cal.to_json())}", flush=True)

@@ -15,10 +15,13 @@ import torch
 Segment = tuple[str, Callable[[], None]]
 
 
-def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2) -> list[torch.cuda.CUDAGraph | None]:
+def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2,
+                     stream: torch.cuda.Stream | None = None) -> list[torch.cuda.CUDAGraph | None]:
     """Run the segments in order ``warmups`` times on a side stream, then capture each "graph"
     segment in ``pool`` and run each "eager" one in between (so a later graph captures the
-    buffers its eager predecessor writes). Returns one graph per segment, None for eager ones."""
+    buffers its eager predecessor writes). Returns one graph per segment, None for eager ones.
+    ``stream``: the stream to capture on (its priority is the captured kernels' priority on
+    replay: PyTorch instantiates graphs with per-node priorities); default PyTorch's own."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -30,7 +33,7 @@ def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2) -> lis
     for kind, fn in segments:
         if kind == "graph":
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 fn()
             graphs.append(graph)
         else:

@@ -21,15 +21,20 @@ import torch
 
 
 class Lanes:
-    def __init__(self, streams: Sequence["torch.cuda.Stream"] = ()):
+    def __init__(self, streams: Sequence["torch.cuda.Stream"] = (), main: "torch.cuda.Stream | None" = None):
         self.streams = tuple(streams)
+        # the stream to capture graphs on, of a higher priority than the side lanes, so that where
+        # branches contend for the GPU the first one (each fork's critical path) goes first; None:
+        # PyTorch's capture stream, all lanes of equal priority
+        self.main = main
 
     @classmethod
-    def on(cls, device: torch.device, width: int) -> "Lanes":
+    def on(cls, device: torch.device, width: int, prioritize: bool = True) -> "Lanes":
         """Up to ``width`` branches at once on a CUDA device; in order elsewhere."""
         if device.type != "cuda" or width < 2:
             return SERIAL
-        return cls([torch.cuda.Stream(device) for _ in range(width - 1)])
+        main = torch.cuda.Stream(device, priority=-1) if prioritize else None
+        return cls([torch.cuda.Stream(device) for _ in range(width - 1)], main)
 
     @property
     def width(self) -> int:

@@ -124,7 +124,7 @@ class WindowProgram:
         """Capture the graph segments at positions start..start+w-1 (GPU only; graphs.py)."""
         self.start = start
         self.positions.copy_(torch.arange(start, start + self.w, device=self.positions.device))
-        self.graphs = capture_segments(self.segments, pool)
+        self.graphs = capture_segments(self.segments, pool, stream=self.lanes.main)
 
     def run(self, start: int) -> None:
         """Forward the rows already in ``self.tokens`` at positions start..start+w-1."""

@@ -24,7 +24,8 @@ from decoders.runtime.state import StaticState
 
 class ExactRuntime:
     def __init__(self, model, capacity: int, windows=(1,), cal: Calibration | None = None,
-                 use_graphs: bool | None = None, lanes: int | None = None, keep_rows: bool = False):
+                 use_graphs: bool | None = None, lanes: int | None = None, lane_priority: bool = True,
+                 keep_rows: bool = False):
         self.model = model
         lm = model.backbone
         self.device = model.device
@@ -37,8 +38,9 @@ class ExactRuntime:
         self._arange = torch.arange(capacity, device=self.device)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         # streams for a layer's independent branches: three in a Gated-DeltaNet layer, one per
-        # row of a window's per-row reductions; ``lanes=1`` runs every branch in order
-        self.lanes = Lanes.on(self.device, max(3, self.max_window) if lanes is None else lanes)
+        # row of a window's per-row reductions; ``lanes=1`` runs every branch in order;
+        # ``lane_priority``: the first branch of each fork (the critical path) on a higher priority
+        self.lanes = Lanes.on(self.device, max(3, self.max_window) if lanes is None else lanes, lane_priority)
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
