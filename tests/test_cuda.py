@@ -194,22 +194,24 @@ def test_lanes_fork_and_each_join_back_in_order():
 
 @pytest.mark.parametrize("which", ["tiny", "other"])
 def test_windows_with_and_without_lanes_are_bit_identical(models, which):
-    """The same windows and rollbacks on one stream and on the lanes: every logit and the final
-    state equal."""
+    """The same windows and rollbacks on one stream, on the lanes, and on the lanes with the eager
+    attention rows in order: every logit and the final state equal."""
     model = models[which]
     prompt = random_prompt(model, 23, seed=5)
     stream, _, _ = control(model, prompt, 12)
     runs = {}
-    for lanes in (1, None):
+    for lanes, spread in ((1, True), (None, True), (None, False)):
         rt = ExactRuntime(model, capacity=96, windows=tuple(range(1, 9)), lanes=lanes)
+        rt.spread_eager_rows(spread)
         rt.prefill(prompt)
         logits, at = [], 0
         for w, keep in ((8, 3), (3, 3), (1, 1)):
             logits.append(rt.verify(torch.tensor([stream[at:at + w]], device=model.device)).ws["logits"].clone())
             rt.accept(keep)
             at += keep
-        runs[rt.lanes.width] = (logits, [t.clone() for t in rt.state.tensors()])
-    assert sorted(runs)[0] == 1 and sorted(runs)[1] >= 8
-    (a_logits, a_state), (b_logits, b_state) = runs.values()
-    assert all(torch.equal(a, b) for a, b in zip(a_logits, b_logits))
-    assert all(torch.equal(a, b) for a, b in zip(a_state, b_state))
+        runs[rt.lanes.width, spread] = (logits, [t.clone() for t in rt.state.tensors()])
+    assert [width for width, _ in runs][0] == 1 and all(width >= 8 for width, _ in list(runs)[1:])
+    (a_logits, a_state), *others = runs.values()
+    for b_logits, b_state in others:
+        assert all(torch.equal(a, b) for a, b in zip(a_logits, b_logits))
+        assert all(torch.equal(a, b) for a, b in zip(a_state, b_state))

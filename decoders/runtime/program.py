@@ -21,6 +21,7 @@ class WindowProgram:
     def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool, lanes: Lanes):
         self.model, self.state, self.rope, self.cal, self.consts, self.w = model, state, rope, cal, consts, w
         self.lanes = lanes  # the streams independent branches run on (lanes.py)
+        self.eager_lanes = lanes  # those a window's eager attention rows run on (ExactRuntime.spread_eager_rows)
         self.capture_states = capture_states
         lm = model.backbone
         dev = model.device
@@ -82,7 +83,7 @@ class WindowProgram:
     def _attn_core(self, idx):
         layer = self.model.backbone.model.layers[idx]
         L.attention_core(layer.self_attn, self.ws[("q", idx)], self.state.keys[idx], self.state.values[idx],
-                         self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok, lanes=self.lanes)
+                         self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok, lanes=self.eager_lanes)
 
     def _attn_post(self, idx):
         layer = self.model.backbone.model.layers[idx]

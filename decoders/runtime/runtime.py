@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.graphs import capture_segments
-from decoders.runtime.lanes import Lanes
+from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
 from decoders.runtime.program import WindowProgram
 from decoders.runtime.state import StaticState
@@ -41,6 +41,7 @@ class ExactRuntime:
         # row of a window's per-row reductions; ``lanes=1`` runs every branch in order;
         # ``lane_priority``: the first branch of each fork (the critical path) on a higher priority
         self.lanes = Lanes.on(self.device, max(3, self.max_window) if lanes is None else lanes, lane_priority)
+        self.eager_rows_on_lanes = True
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
@@ -74,6 +75,7 @@ class ExactRuntime:
         if key not in self.programs:
             prog = WindowProgram(self.model, self.state, self.rope, self.cal, self.constants, w,
                                  capture_states=capture, lanes=self.lanes)
+            prog.eager_lanes = self.lanes if self.eager_rows_on_lanes else SERIAL
             if self.use_graphs:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
                 # state intact for a program built mid-decode
@@ -82,6 +84,14 @@ class ExactRuntime:
                 self.state.restore(saved)
             self.programs[key] = prog
         return self.programs[key]
+
+    def spread_eager_rows(self, on: bool) -> None:
+        """Whether a window's eager attention rows run on the lanes (GPU time saved) or in order
+        (host time saved: a fork costs the host a few calls per lane, which a launch-bound model
+        pays in full). The bits are the same either way; a decoder picks by measuring both."""
+        self.eager_rows_on_lanes = on
+        for prog in self.programs.values():
+            prog.eager_lanes = self.lanes if on else SERIAL
 
     # ------------------------------------------------------------------ decoding
 
