@@ -99,19 +99,18 @@ class Pending:
     """Between rounds, the head rows not yet computed with true inputs: positions [first, length)
     of the runtime's kept rows (``StaticState.row_hidden``, ``row_next``), i.e. each position's
     final hidden state and the token after it. The runtime's forwards write those rows inside
-    their graphs, so a plain step or a kept window adds rows without a copy. ``y`` is the token
-    after the last committed position: the last emitted token, the next backbone input."""
+    their graphs, so a plain step or a kept window adds rows without a copy. ``y`` [1,1] is the
+    token after the last committed position: the last emitted token, the next backbone input. It
+    is a view the loop sets after each round (the step's own argmax buffer after a plain step: no
+    slicing on the host per step), valid until the next forward, which reads it first."""
 
     def __init__(self, runtime: ExactRuntime):
         self.runtime = runtime
-        self.first = runtime.length - 1  # the prompt's last position: its rows come with the prefill
+        end = runtime.length
+        self.first = end - 1  # the prompt's last position: its rows come with the prefill
+        self.y = runtime.state.row_next[:, end - 1:end]
         # (hidden [1,P,H], prompt ids): the head's prompt rows, made by the decode's first draft
         self.prompt: tuple[torch.Tensor, list[int]] | None = None
-
-    @property
-    def y(self) -> torch.Tensor:
-        end = self.runtime.length
-        return self.runtime.state.row_next[:, end - 1:end]
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending rows ([1,m,H], [1,m]), handed to the head: none are left after."""
@@ -331,7 +330,7 @@ class SpecDecoder:
         """One exact step; its row joins the head's pending rows (the runtime keeps it). Returns
         the emitted token. Timed by the decode loop's host clock, not by events: at a step's cost
         on a fast GPU, two event records a step would show."""
-        self.runtime.step(pending.y)
+        pending.y = self.runtime.step(pending.y).ws["argmax"]
         return [int(pending.y.item())]
 
     def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:
@@ -357,6 +356,7 @@ class SpecDecoder:
         j = accepted_prefix(pred, drafted)
         with timer.phase("rollback"):
             rt.accept(j + 1)
+        pending.y = argmax[:, j:j + 1]
         # the kept rows 0..j are pending now: the window left them in the runtime's kept rows, so
         # the next round's inputs stay on the device with no copy
         return pred[:j + 1]

@@ -162,6 +162,7 @@ def serial_tokens(models):
 
 @pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec", {}), ("spec", {"depth": 3}),
                                          ("spec-instrument", {"alpha": 0.8, "max_depth": 6}),
+                                         ("spec-instrument", {"alpha": 0.8, "depth": 3}),
                                          ("spec-instrument", {"alpha": 1.0, "depth": 5})])
 def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
     prompts, want = serial_tokens
@@ -174,8 +175,11 @@ def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
             res = dec.decode(ids, 96)
             assert res.tokens == ref
         accepted += res.stats.accepted
-    if name == "spec-instrument":
-        assert accepted > 0  # long accepted runs and rollbacks really happened on the GPU
+    if name == "spec-instrument" and "depth" in kwargs:
+        # accepted runs and rollbacks really happened on the GPU. At an adaptive depth the policy
+        # may rightly never draft here: tiny is launch-bound on a GPU, so a probe costs about two
+        # steps and is priced past a 96-token decode (decoders/policy.py)
+        assert accepted > 0
 
 
 def test_lanes_fork_and_each_join_back_in_order():
