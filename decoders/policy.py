@@ -106,6 +106,20 @@ class RoundTimes:
         rate = 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
         self.estimate[depth] += rate * (seconds - self.estimate[depth])
 
+    def observe_many(self, depth: int, seconds: float, count: int) -> None:
+        """``count`` rounds of ``depth`` of ``seconds`` each: the same as ``count`` calls of
+        ``observe``, the clip taken against the estimate before the first."""
+        if count < 1:
+            raise ValueError(f"observe_many: count {count} < 1")
+        if not 0 <= depth <= self.max_depth or not seconds > 0:
+            raise ValueError(f"observe_many({depth}, {seconds}) out of range")
+        seconds = min(seconds, self.outlier * self.estimate[depth])
+        keep = 1.0  # the share of (estimate - seconds) that survives the count updates
+        for _ in range(count):
+            self.rounds[depth] += 1
+            keep *= 1.0 - 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
+        self.estimate[depth] = seconds + keep * (self.estimate[depth] - seconds)
+
     def times(self) -> list[float]:
         """The estimate per depth; an untimed drafting depth takes the nearest timed drafting
         depth's ratio to its prior (the deeper one on a tie), an untimed depth 0 its prior."""
@@ -249,6 +263,26 @@ class DepthPolicy:
         self.explore_gap = 0
         self._probe_at = None
         return d
+
+    def plain_rounds(self, most: int) -> int:
+        """After ``choose`` returned 0 (not a probe): how many plain rounds, this one included and
+        at most ``most``, may run before the policy must be asked again, i.e. until a probe could
+        be due. They count as chosen; the caller reports their time with ``observe_plain``. So a
+        run of plain steps costs the host what fast-serial's loop does, not a choice per step."""
+        if self.fixed is not None or self.max_depth == 0 or most <= 1:
+            return max(1, most)
+        due = self._probe_at
+        if due is None:  # the run is priced when it reaches its doubling length
+            due = min(self.explore_gap or self.explore_first, self.explore_every)
+        rounds = max(1, min(most, due - self.zero_run))
+        self.zero_run += rounds - 1
+        return rounds
+
+    def observe_plain(self, rounds: int, seconds: float) -> None:
+        """``rounds`` plain rounds took ``seconds`` in all: each is observed at their mean."""
+        if self.online and self.fixed is None:
+            self.times.observe_many(0, seconds / rounds, rounds)
+            self._best = None
 
     def update(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them matched."""

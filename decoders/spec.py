@@ -95,6 +95,11 @@ def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
     return j
 
 
+# the most plain steps decoded between two of the policy's choices: at most this many rounds pass
+# before a change of the plain step's measured time can turn drafting on
+PLAIN_RUN = 16
+
+
 class Pending:
     """Between rounds, the head rows not yet computed with true inputs: positions [first, length)
     of the runtime's kept rows (``StaticState.row_hidden``, ``row_next``), i.e. each position's
@@ -286,10 +291,12 @@ class SpecDecoder:
             step_from = last
             if draft is not None:  # a probe is a plain step with a draft beside it, timed as a probe
                 depth, step_from = 0, time.perf_counter()
-            stats.extra["depth_trace"].append(depth)
             if depth == 0:
-                new = self._plain_step(pending)
+                rounds = 1 if draft is not None else policy.plain_rounds(min(PLAIN_RUN, max_new_tokens - len(tokens)))
+                new = self._plain_steps(pending, rounds, eos)
+                stats.extra["depth_trace"] += [0] * len(new)
             else:
+                stats.extra["depth_trace"].append(depth)
                 new = self._spec_round(pending, depth, len(tokens), timer)
                 policy.update(depth, len(new) - 1)
                 stats.record_round(depth, len(new) - 1)
@@ -297,9 +304,11 @@ class SpecDecoder:
             if draft is not None:
                 if not first_draft:  # on a GPU that round also waits for the head's prompt rows
                     policy.observe_probe(now - last)
-            elif depth == 0 or drafting:
+            elif depth == 0:
+                policy.observe_plain(len(new), now - last)
+            elif drafting:
                 policy.observe(depth, now - last)
-            if depth == 0:  # a plain step's time, by the host clock (the draft's is in its phase)
+            if depth == 0:  # plain steps' time, by the host clock (a probe's draft is in its phase)
                 timer.add("verify", now - step_from)
             if draft is not None:
                 hit = int(draft.item()) == new[0]
@@ -307,7 +316,7 @@ class SpecDecoder:
                 stats.extra["probes"] += 1
                 stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
-            stats.forwards += 1
+            stats.forwards += len(new) if depth == 0 else 1
             tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
@@ -326,12 +335,17 @@ class SpecDecoder:
             self.drafter.prefill(*pending.prompt)
         pending.prompt = None
 
-    def _plain_step(self, pending: Pending) -> list[int]:
-        """One exact step; its row joins the head's pending rows (the runtime keeps it). Returns
-        the emitted token. Timed by the decode loop's host clock, not by events: at a step's cost
-        on a fast GPU, two event records a step would show."""
-        pending.y = self.runtime.step(pending.y).ws["argmax"]
-        return [int(pending.y.item())]
+    def _plain_steps(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
+        """Up to ``rounds`` exact steps, stopping after an EOS; their rows join the head's pending
+        rows (the runtime keeps them). Returns the emitted tokens. Timed by the decode loop's host
+        clock, not by events: at a step's cost on a fast GPU, two event records a step would show."""
+        rt, out = self.runtime, []
+        for _ in range(rounds):
+            pending.y = rt.step(pending.y).ws["argmax"]
+            out.append(int(pending.y.item()))
+            if out[-1] in eos:
+                break
+        return out
 
     def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:
         """Catch the head up on the pending rows and draft the token after ``pending.y`` [1,1];

@@ -352,3 +352,32 @@ def test_probe_times_are_ignored_at_a_fixed_depth_or_offline():
     for p in (DepthPolicy(GPU, max_depth=6, fixed=2), DepthPolicy(GPU, max_depth=6, online=False)):
         p.observe_probe(1.0)
         assert p.probe_extra is None and p.probes_timed == 0
+
+
+def test_many_equal_rounds_observed_at_once_equal_one_by_one():
+    one, many = RoundTimes(TINY_CPU, max_depth=6), RoundTimes(TINY_CPU, max_depth=6)
+    for count, seconds in ((1, 1.5e-3), (5, 1.2e-3), (40, 1.4e-3)):
+        for _ in range(count):
+            one.observe(0, seconds)
+        many.observe_many(0, seconds, count)
+        assert many.rounds == one.rounds
+        assert many.estimate[0] == pytest.approx(one.estimate[0], rel=1e-12)
+    with pytest.raises(ValueError):
+        many.observe_many(0, 1e-3, 0)
+
+
+def test_plain_rounds_run_until_a_probe_could_be_due():
+    """Plain rounds batched between choices leave the probe schedule where single rounds would."""
+    one, batched = DepthPolicy(TINY_CPU, max_depth=6), DepthPolicy(TINY_CPU, max_depth=6)
+    singles = [one.choose() for _ in range(400)]
+    runs, seen = [], 0
+    while seen < 400:
+        d = batched.choose()
+        n = batched.plain_rounds(min(16, 400 - seen)) if d == 0 and not batched.probing else 1
+        runs.append(n)
+        seen += n
+        batched_depths = singles[seen - n:seen]
+        assert batched_depths == [d] * n  # the batch spans only what single choices would have done
+    assert max(runs) == 16 and seen == 400
+    assert DepthPolicy(GPU, max_depth=6, fixed=0).plain_rounds(16) == 16
+    assert DepthPolicy(GPU, max_depth=6).plain_rounds(1) == 1
