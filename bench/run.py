@@ -5,9 +5,11 @@
 Sets (``python bench/run.py --list`` prints them with their commands):
 
   runtime     bench/runtime_bench.py on synthetic-9b: control, fast-serial step, verify windows
-              w = 1..8 and rollback, every runtime logit compared bit for bit with the control's
+              w = 1..8 and rollback, every runtime logit compared bit for bit with the control's,
+              for a runtime on one stream and one with its lanes
   probe       bench/exactness_probe.py: verify windows replayed against serial steps, op class by op class
-  profile     bench/profile_runtime.py: kernel time and count per step, window, draft step and prefill
+  profile     bench/profile_runtime.py: busy and kernel time, kernel count per step and window (one
+              stream and lanes), draft step and prefill
   table       bench/spec_bench.py: the standard synthetic-9b configurations, each against the control
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
@@ -79,7 +81,7 @@ def spec_bench_steps(out: str, configs: list[str], common: list[str]) -> list[St
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
-                                 "--json", str(out / "runtime.json")))]
+                                 "--lanes", "1,auto", "--json", str(out / "runtime.json")))]
     if name == "probe":
         return [Step("probe", (PY, "bench/exactness_probe.py", "--model", "synthetic-9b",
                                "--prompt", "random-1,random-2,random-3", "-n", "256",

@@ -283,9 +283,9 @@ class MTPDrafter:
 
 PREFILL_ROWS = 64  # an eager prompt prefill's row count is a multiple of this (see MTPDrafter.prefill)
 
-# graphed catch-up sizes beyond a round's own (max_rows): after a run of plain steps the policy's
-# longest gap between probes (explore_every, 64 by default) plus a round's rows is caught up in at
-# most a few chunks
+# graphed catch-up sizes beyond a round's own (max_rows): after a run of plain steps, a gap of up
+# to explore_every (64 by default) plus a round's rows is caught up in a few chunks, a longer one
+# (where probes are dear) in 64-row chunks
 LONG_CHUNKS = (16, 32, 64)
 
 

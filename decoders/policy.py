@@ -44,7 +44,10 @@ on a GPU, where a catch-up and a draft are launch-bound: ~2 steps) probes wait p
 the doubling run rules.
 
 Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
-drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do).
+drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do), and
+a run of plain rounds is decided once for up to as many rounds as remain before a probe could be
+due (``plain_rounds``), their time reported together (``observe_plain``), so the caller's loop can
+step like fast-serial's.
 """
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
 catch-up covers every row since the last draft, a cost of resuming drafting, not of a round. A
-probe round (its draft and the step beside it) is timed whole, as the probe's price.
+probe round (its draft and the step beside it) is timed whole, as the probe's price. Plain steps
+run in batches of up to PLAIN_RUN between the policy's choices (never past a due probe), timed
+together.
 """
 from __future__ import annotations
 
