@@ -160,6 +160,9 @@ def main():
                          "on one stream, auto = the runtime's default streams, a count = that many, :flat = "
                          "every lane of equal priority")
     args = ap.parse_args()
+    if args.positions <= args.max_window or args.max_window < 1:
+        ap.error(f"--positions ({args.positions}) must exceed --max-window ({args.max_window}), which must be >= 1: "
+                 "every window size is checked along the stream")
 
     import transformers
 
