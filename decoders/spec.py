@@ -14,8 +14,9 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   depth          fix the depth instead of adapting (benchmarks)
   shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
                  checkpoint's draft_shortlist.json when there is one, else the full vocabulary
-  explore_every  the most rounds at depth 0 between probes (the first run is 8, or as long as the
-                 probe's price asks, and doubles after each probe), default 64
+  explore_every  the most rounds at depth 0 between probes while probes are cheap (the first run
+                 is 8 and doubles after each probe; a probe priced above 1% of the plain rounds
+                 before it waits longer), default 64
   head           a directory written by `heads train` (mtp.safetensors, draft_shortlist.json):
                  draft with that head, and its shortlist unless ``shortlist`` is given; the
                  backbone and the model's own head are untouched
