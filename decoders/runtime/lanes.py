@@ -41,19 +41,18 @@ class Lanes:
         return len(self.streams) + 1
 
     def fork(self, *branches: Callable[[], object]) -> list:
-        """Each branch's result, in order; branch 0 runs on the current stream, each other on a
-        stream of its own, and the current stream waits for all of them before this returns."""
+        """Each branch's result, in order; branch 0 runs on the current stream, the others on the
+        side streams in turn (one each while there are enough), and the current stream waits for
+        all of them before this returns."""
         if not self.streams or len(branches) < 2:
             return [branch() for branch in branches]
-        if len(branches) > self.width:
-            raise ValueError(f"{len(branches)} branches on {self.width} lanes")
         main = torch.cuda.current_stream()
         sides = self.streams[:len(branches) - 1]
         for side in sides:
             side.wait_stream(main)
         results = [branches[0]()]
-        for side, branch in zip(sides, branches[1:]):
-            with torch.cuda.stream(side):
+        for i, branch in enumerate(branches[1:]):
+            with torch.cuda.stream(sides[i % len(sides)]):
                 results.append(branch())
         for side in sides:
             main.wait_stream(side)
