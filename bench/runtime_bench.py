@@ -220,13 +220,17 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
     dev, lm = model.device, model.backbone
     t0 = time.perf_counter()
     peak_reset(dev)
+    before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     count, _, flat = lanes.partition(":")
     rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
                       windows=tuple(range(1, args.max_window + 1)), lanes=None if count == "auto" else int(count),
                       lane_priority=flat != "flat")
     setup_s = time.perf_counter() - t0
-    print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s; calibration "
-          f"{json.dumps(rt.cal.to_json())}", flush=True)
+    # what the runtime holds once built: its state, its graphs' pools, per-stream library workspaces
+    held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
+    print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s, holding "
+          f"{'n/a' if held is None else f'{held / 2**30:.3f} GiB'} (state {rt.state.nbytes() / 2**30:.3f} GiB); "
+          f"calibration {json.dumps(rt.cal.to_json())}", flush=True)
 
     peak_reset(dev)
     step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)
@@ -246,7 +250,8 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
     bpt = weight_bytes_per_token(lm)
     result = {"lanes": rt.lanes.width, "fast_serial_ms": step_ms, "fast_serial_GBps": bpt / (step_ms / 1e3) / 1e9,
               "windows": windows, "rollback_ms": 1e3 * statistics.median(rb), "runtime_setup_s": setup_s,
-              "fast_peak_bytes": fast_peak, "state_bytes": rt.state.nbytes(), "calibration": rt.cal.to_json(),
+              "fast_peak_bytes": fast_peak, "state_bytes": rt.state.nbytes(), "runtime_bytes": held,
+              "calibration": rt.cal.to_json(),
               "step_bit_equal": [sum(step_equal), len(step_equal)],
               "raw": {"step_s": step_times, "rollback_s": rb}}
     # a program's segments hold bound methods of the program: only the cycle collector frees a
