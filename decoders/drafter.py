@@ -71,6 +71,7 @@ class MTPDrafter:
         # are read only by its own post graph, and no other graph replays between the two
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._warmup_stream = torch.cuda.Stream(dev) if use_graphs else None  # one for all its captures
         hidden_size, width = cfg.hidden_size, cfg.num_attention_heads * attn.head_dim
         # the chained step's static buffers: its output row and draft feed the next step in place
         self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
@@ -156,7 +157,8 @@ class MTPDrafter:
         """(segments, graphs): pre and post captured as CUDA graphs in the drafter's pool on the
         GPU (graphs None elsewhere: the functions run eagerly); attention stays eager between
         them, its KV length and mask change every call."""
-        return segments, capture_segments(segments, self.pool) if self.pool is not None else None
+        return segments, (capture_segments(segments, self.pool, warmup_stream=self._warmup_stream)
+                          if self.pool is not None else None)
 
     def _run(self, graphed, start: int) -> None:
         """pre, eager attention for new rows from position ``start``, post."""

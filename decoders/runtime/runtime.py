@@ -44,6 +44,9 @@ class ExactRuntime:
         self.eager_rows_on_lanes = True
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # one side stream for every capture's warm-up (graphs.capture_segments: a stream per capture
+        # would hold a cuBLAS workspace per capture)
+        self._warmup_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
         self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
         self._rollback_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -80,7 +83,7 @@ class ExactRuntime:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
                 # state intact for a program built mid-decode
                 saved = self.state.snapshot()
-                prog.capture(self.pool, start=0)
+                prog.capture(self.pool, start=0, warmup_stream=self._warmup_stream)
                 self.state.restore(saved)
             self.programs[key] = prog
         return self.programs[key]
@@ -187,7 +190,8 @@ class ExactRuntime:
         key = (prog.w, rows)
         if key not in self._rollback_graphs:
             # its copies only move data between static buffers, so the warm-up run is a rollback too
-            self._rollback_graphs[key] = capture_segments([("graph", copies)], self.pool, warmups=1)[0]
+            self._rollback_graphs[key] = capture_segments([("graph", copies)], self.pool, warmups=1,
+                                                          warmup_stream=self._warmup_stream)[0]
         self._rollback_graphs[key].replay()
 
     def _positions(self, start: int, w: int) -> torch.Tensor:
