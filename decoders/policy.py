@@ -46,8 +46,8 @@ the doubling run rules.
 Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
 drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do), and
 a run of plain rounds is decided once for up to as many rounds as remain before a probe could be
-due (``plain_rounds``), their time reported together (``observe_plain``), so the caller's loop can
-step like fast-serial's.
+due (``plain_rounds``) and its time reported in one ``observe(0, seconds, rounds)``, so the
+caller's loop can step like fast-serial's.
 """
 from __future__ import annotations
 
@@ -98,30 +98,18 @@ class RoundTimes:
             self.estimate = [self.costs.round_time(d) for d in range(self.max_depth + 1)]
             self.rounds = [0] * (self.max_depth + 1)
 
-    def observe(self, depth: int, seconds: float) -> None:
-        """One measured round of ``depth``: the estimate moves 1/(rounds + prior_rounds) of the
-        way to it (1/horizon at most), so the prior fades like an average's first terms; a round
-        slower than ``outlier`` times the estimate counts as that much."""
-        if not 0 <= depth <= self.max_depth or not seconds > 0:
-            raise ValueError(f"observe({depth}, {seconds}) out of range")
+    def observe(self, depth: int, seconds: float, count: int = 1) -> None:
+        """``count`` measured rounds of ``depth``, ``seconds`` each: per round the estimate moves
+        1/(rounds + prior_rounds) of the way to it (1/horizon at most), so the prior fades like an
+        average's first terms; a round slower than ``outlier`` times the estimate (before the
+        first) counts as that much."""
+        if not 0 <= depth <= self.max_depth or not seconds > 0 or count < 1:
+            raise ValueError(f"observe({depth}, {seconds}, {count}) out of range")
         seconds = min(seconds, self.outlier * self.estimate[depth])
-        self.rounds[depth] += 1
-        rate = 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
-        self.estimate[depth] += rate * (seconds - self.estimate[depth])
-
-    def observe_many(self, depth: int, seconds: float, count: int) -> None:
-        """``count`` rounds of ``depth`` of ``seconds`` each: the same as ``count`` calls of
-        ``observe``, the clip taken against the estimate before the first."""
-        if count < 1:
-            raise ValueError(f"observe_many: count {count} < 1")
-        if not 0 <= depth <= self.max_depth or not seconds > 0:
-            raise ValueError(f"observe_many({depth}, {seconds}) out of range")
-        seconds = min(seconds, self.outlier * self.estimate[depth])
-        keep = 1.0  # the share of (estimate - seconds) that survives the count updates
         for _ in range(count):
             self.rounds[depth] += 1
-            keep *= 1.0 - 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
-        self.estimate[depth] = seconds + keep * (self.estimate[depth] - seconds)
+            rate = 1.0 / min(self.rounds[depth] + self.prior_rounds, self.horizon)
+            self.estimate[depth] += rate * (seconds - self.estimate[depth])
 
     def times(self) -> list[float]:
         """The estimate per depth; an untimed drafting depth takes the nearest timed drafting
@@ -270,7 +258,7 @@ class DepthPolicy:
     def plain_rounds(self, most: int) -> int:
         """After ``choose`` returned 0 (not a probe): how many plain rounds, this one included and
         at most ``most``, may run before the policy must be asked again, i.e. until a probe could
-        be due. They count as chosen; the caller reports their time with ``observe_plain``. So a
+        be due. They count as chosen; the caller reports their time with one ``observe``. So a
         run of plain steps costs the host what fast-serial's loop does, not a choice per step."""
         if self.fixed is not None or self.max_depth == 0 or most <= 1:
             return max(1, most)
@@ -280,12 +268,6 @@ class DepthPolicy:
         rounds = max(1, min(most, due - self.zero_run))
         self.zero_run += rounds - 1
         return rounds
-
-    def observe_plain(self, rounds: int, seconds: float) -> None:
-        """``rounds`` plain rounds took ``seconds`` in all: each is observed at their mean."""
-        if self.online and self.fixed is None:
-            self.times.observe_many(0, seconds / rounds, rounds)
-            self._best = None
 
     def update(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
@@ -301,10 +283,11 @@ class DepthPolicy:
             self.trials[k] += 1.0
             self.hits[k] += 1.0 if k < accepted else 0.0
 
-    def observe(self, depth: int, seconds: float) -> None:
-        """A round of ``depth`` took ``seconds`` of wall time (sync point to sync point)."""
+    def observe(self, depth: int, seconds: float, rounds: int = 1) -> None:
+        """``rounds`` rounds of ``depth`` took ``seconds`` of wall time in all (sync point to sync
+        point), each counted at their mean."""
         if self.online and self.fixed is None:
-            self.times.observe(depth, seconds)
+            self.times.observe(depth, seconds / rounds, rounds)
             self._best = None
             if depth > 0:
                 self._drafting = None

@@ -307,10 +307,8 @@ class SpecDecoder:
             if draft is not None:
                 if not first_draft:  # on a GPU that round also waits for the head's prompt rows
                     policy.observe_probe(now - last)
-            elif depth == 0:
-                policy.observe_plain(len(new), now - last)
-            elif drafting:
-                policy.observe(depth, now - last)
+            elif depth == 0 or drafting:
+                policy.observe(depth, now - last, len(new) if depth == 0 else 1)
             if depth == 0:  # plain steps' time, by the host clock (a probe's draft is in its phase)
                 timer.add("verify", now - step_from)
             if draft is not None:

@@ -140,18 +140,22 @@ class SkipLayers:
         return DecodeResult(tokens, DecodeStats(forwards=forwards))
 
 
-class PromptCache:
+class _Caching:
+    """What the caching decoders below share: the model, and a cache they fill as they please."""
+
+    def __init__(self):
+        self.model = None
+        self.cache: dict = {}
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+
+class PromptCache(_Caching):
     """Exact tokens, cheated time: decodes serially once per (prompt, N), then returns the
     cached tokens. (The harness's warm-up decodes fewer tokens than N, so leg 0 computes.)"""
 
     name = "prompt-cache"
-
-    def __init__(self):
-        self.model = None
-        self.cache: dict[tuple, list[int]] = {}
-
-    def prepare(self, model) -> None:
-        self.model = model
 
     def config(self) -> dict:
         return {"cache": "keyed on (prompt tokens, max_new_tokens)"}
@@ -169,7 +173,7 @@ class PromptCache:
 # --------------------------------------------------------------------------- attacks on the timing
 
 
-class WarmupCache:
+class WarmupCache(_Caching):
     """Exact tokens: each decode computes ``horizon`` tokens serially and caches them under the
     prompt, so any later decode of that prompt (up to ``horizon`` tokens) is a lookup. Were the
     warm-up decoding the timed prompt, every timed leg would be a lookup. ``calls`` logs
@@ -179,12 +183,8 @@ class WarmupCache:
     calls: list = []
 
     def __init__(self, horizon: int = 64):
+        super().__init__()
         self.horizon = horizon
-        self.model = None
-        self.cache: dict[tuple, list[int]] = {}
-
-    def prepare(self, model) -> None:
-        self.model = model
 
     def config(self) -> dict:
         return {"horizon": self.horizon}
@@ -201,19 +201,12 @@ class WarmupCache:
                             DecodeStats(forwards=0 if hit else 1, extra={"cache_hit": hit}))
 
 
-class HashPrefixCache:
+class HashPrefixCache(_Caching):
     """Exact tokens: caches each stream under a hash of the prompt's first 8 tokens; a later decode
     of that prompt is a lookup that sleeps 0.65x the computed decode's time, so later legs look
     plausibly faster (under the warm-leg flag's factor) instead of suspiciously instant."""
 
     name = "hash-prefix-cache"
-
-    def __init__(self):
-        self.model = None
-        self.cache: dict[int, tuple[list[int], float]] = {}
-
-    def prepare(self, model) -> None:
-        self.model = model
 
     def config(self) -> dict:
         return {"cache": "keyed on a hash of the first 8 prompt tokens"}
@@ -231,20 +224,13 @@ class HashPrefixCache:
         return DecodeResult(list(tokens), DecodeStats(forwards=forwards, extra={"cache_hit": False}))
 
 
-class PreparePromptCache:
+class PreparePromptCache(_Caching):
     """Not an instrument, yet computes each prompt's answer in ``prepare_prompt`` (which a harness
     calls untimed) and answers its decodes from it. ``calls`` logs ("prepare_prompt", ids) and
     ("decode", ids, hit)."""
 
     name = "prepare-prompt-cache"
     calls: list = []
-
-    def __init__(self):
-        self.model = None
-        self.cache: dict[tuple, list[int]] = {}
-
-    def prepare(self, model) -> None:
-        self.model = model
 
     def config(self) -> dict:
         return {}

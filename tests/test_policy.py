@@ -11,8 +11,9 @@ from decoders.policy import Costs, DepthPolicy, RoundTimes
 GPU = Costs(step=9.8e-3, draft=0.5e-3, verify={w: 9.8e-3 * (1 + 0.105 * (w - 1)) for w in range(1, 10)})
 
 
-def drive(policy, alpha, rounds, seed=0):
-    """Feed the policy rounds where each draft is accepted with probability alpha."""
+def drive(policy, alpha, rounds, seed=0, real_time=None):
+    """Feed the policy rounds where each draft is accepted with probability alpha; with
+    ``real_time``, each round also reports its wall time ``real_time(depth)``."""
     rng = random.Random(seed)
     depths = []
     for _ in range(rounds):
@@ -23,6 +24,8 @@ def drive(policy, alpha, rounds, seed=0):
             j += 1
         if d:
             policy.update(d, j)
+        if real_time is not None:
+            policy.observe(d, real_time(d))
     return depths
 
 
@@ -142,22 +145,6 @@ def test_explore_settings_must_be_positive():
 
 # --------------------------------------------------------------------------- measured round times
 
-def drive_timed(policy, alpha, rounds, real_time, seed=0):
-    """As ``drive``, and each round reports its wall time ``real_time(depth)`` to the policy."""
-    rng = random.Random(seed)
-    depths = []
-    for _ in range(rounds):
-        d = policy.choose()
-        depths.append(d)
-        j = 0
-        while j < d and rng.random() < alpha:
-            j += 1
-        if d:
-            policy.update(d, j)
-        policy.observe(d, real_time(d))
-    return depths
-
-
 def test_round_time_estimate_moves_toward_measured_times():
     times = RoundTimes(GPU, max_depth=6)
     prior = [GPU.round_time(d) for d in range(7)]
@@ -195,13 +182,13 @@ def test_drafting_that_costs_more_than_it_yields_converges_to_plain_steps():
     alpha = 0.55
     # on the start-up costs alone drafting looks worth it, so the offline policy keeps drafting
     offline = DepthPolicy(STARTUP, max_depth=6, prior=0.5, online=False)
-    assert sum(d > 0 for d in drive_timed(offline, alpha, 600, small_h200_round)[300:]) > 250
+    assert sum(d > 0 for d in drive(offline, alpha, 600, real_time=small_h200_round)[300:]) > 250
     # yet at the real round times every depth yields fewer tokens per second than a plain step
     truth = DepthPolicy(STARTUP, max_depth=6, prior=alpha, strength=1e9)
     real_rate = [truth.expected_tokens(d) / small_h200_round(d) for d in range(7)]
     assert max(range(7), key=real_rate.__getitem__) == 0
     p = DepthPolicy(STARTUP, max_depth=6, prior=0.5)
-    depths = drive_timed(p, alpha, 600, small_h200_round)
+    depths = drive(p, alpha, 600, real_time=small_h200_round)
     tail = depths[300:]
     assert p.best_depth() == 0 and sum(d > 0 for d in tail) <= len(tail) / 32 + 2
     assert p.times.rounds[0] > 250 and p.times.times()[1] > STARTUP.round_time(1) * 1.2
@@ -212,14 +199,14 @@ def test_cheap_accurate_drafting_keeps_drafting():
         return 1.3 * STARTUP.round_time(d)
 
     p = DepthPolicy(STARTUP, max_depth=6)
-    depths = drive_timed(p, 0.9, 400, real)
+    depths = drive(p, 0.9, 400, real_time=real)
     tail = depths[100:]
     assert sum(d > 0 for d in tail) > 0.95 * len(tail) and sum(tail) / len(tail) > 3 and p.best_depth() > 0
 
 
 def test_fixed_depth_ignores_round_times():
     p = DepthPolicy(STARTUP, max_depth=6, fixed=2)
-    drive_timed(p, 0.0, 50, lambda d: 1.0)
+    drive(p, 0.0, 50, real_time=lambda d: 1.0)
     assert p.times.rounds == [0] * 7 and {p.choose() for _ in range(5)} == {2}
 
 
@@ -359,11 +346,11 @@ def test_many_equal_rounds_observed_at_once_equal_one_by_one():
     for count, seconds in ((1, 1.5e-3), (5, 1.2e-3), (40, 1.4e-3)):
         for _ in range(count):
             one.observe(0, seconds)
-        many.observe_many(0, seconds, count)
+        many.observe(0, seconds, count)
         assert many.rounds == one.rounds
         assert many.estimate[0] == pytest.approx(one.estimate[0], rel=1e-12)
     with pytest.raises(ValueError):
-        many.observe_many(0, 1e-3, 0)
+        many.observe(0, 1e-3, 0)
 
 
 def test_plain_rounds_run_until_a_probe_could_be_due():
