@@ -106,8 +106,8 @@ class MTPDrafter:
         if start + m > self.capacity:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
         positions = self._arange[start:start + m]
-        x, query, gate = self._pre(hidden, tokens.view(1, m), positions)
-        return self._post(x, self._attend(query, start + m, self._causal_mask(positions, start + m)), gate)
+        x, query, gate, kv = self._pre(hidden, tokens.view(1, m), positions)
+        return self._post(x, self._attend(query, kv, start, self._causal_mask(positions, start + m)), gate)
 
     def _causal_mask(self, positions, length: int):
         """Causal within the new rows; a single row sees every cached position (no mask)."""
@@ -117,8 +117,8 @@ class MTPDrafter:
         return (self._arange[:length].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, length)
 
     def _pre(self, hidden, tokens, positions):
-        """fc over [embedding, hidden], input norm, q/k/v with their norms and RoPE; K/V written at
-        ``positions``. Returns (residual x, query [1,nh,m,hd], gate)."""
+        """fc over [embedding, hidden], input norm, q/k/v with their norms and RoPE at ``positions``.
+        Returns (residual x, query [1,nh,m,hd], gate, (key, value) for ``_attend`` to write)."""
         head, inner, cal = self.head, self.lm.model, self.cal
         layer = head.layers[0]
         attn = layer.self_attn
@@ -132,11 +132,13 @@ class MTPDrafter:
         key = L.rms_norm(attn.k_norm, attn.k_proj(h).view(1, m, -1, hd), cal, consts, 1 << 30).transpose(1, 2)
         value = attn.v_proj(h).view(1, m, -1, hd).transpose(1, 2)
         query, key = L.rotary(query, cos, sin), L.rotary(key, cos, sin)
-        self.keys.index_copy_(2, positions, key)
-        self.values.index_copy_(2, positions, value)
-        return x, query, gate
+        return x, query, gate, (key, value)
 
-    def _attend(self, query, length: int, mask):
+    def _attend(self, query, kv, start: int, mask):
+        """Writes the new rows' K/V at ``start`` (eager, as ``layers.write_kv`` says why), then
+        attends over every row up to the last new one."""
+        L.write_kv(self.keys, self.values, *kv, start)
+        length = start + query.shape[2]
         attn = self.head.layers[0].self_attn
         out = F.scaled_dot_product_attention(query, self.keys[:, :, :length], self.values[:, :, :length],
                                              attn_mask=mask, scale=attn.scaling,
@@ -178,10 +180,11 @@ class MTPDrafter:
             ws["pre"] = self._pre(self.in_hidden, self.in_token, self.step_pos)
 
         def attend():
-            self.step_attn.copy_(self._attend(ws["pre"][1], self.attend_at + 1, None))
+            _, query, _, kv = ws["pre"]
+            self.step_attn.copy_(self._attend(query, kv, self.attend_at, None))
 
         def post():
-            x, _, gate = ws["pre"]
+            x, _, gate, _ = ws["pre"]
             self._emit(self._post(x, self.step_attn, gate))
 
         return [("graph", pre), ("eager", attend), ("graph", post)]
@@ -199,11 +202,11 @@ class MTPDrafter:
             ws["pre"] = self._pre(hidden, tokens, positions)
 
         def attend():
-            length = self.attend_at + m
-            attn_out.copy_(self._attend(ws["pre"][1], length, self._causal_mask(positions, length)))
+            _, query, _, kv = ws["pre"]
+            attn_out.copy_(self._attend(query, kv, self.attend_at, self._causal_mask(positions, self.attend_at + m)))
 
         def post():
-            x, _, gate = ws["pre"]
+            x, _, gate, _ = ws["pre"]
             self._emit(self._post(x, attn_out, gate)[:, -1:])
 
         return [("graph", pre), ("eager", attend), ("graph", post)]

@@ -288,10 +288,10 @@ def batched_readout_rows(query, states, batch: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- gated attention
 
 
-def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constants, lanes: Lanes = SERIAL):
-    """Projections, per-head norms, RoPE; writes this window's K/V into the static buffers at
-    ``positions``. Returns (per-row contiguous queries, the output gate's sigmoid). Query, key and
-    value are independent until attention reads them: three lanes."""
+def attention_pre(mod, x, cos, sin, cal, consts: Constants, lanes: Lanes = SERIAL):
+    """Projections, per-head norms, RoPE. Returns (per-row contiguous queries, the output gate's
+    sigmoid, this window's keys and values [1,KV,w,hd]; ``write_kv`` puts them in the cache).
+    Query, key and value are independent until attention reads them: three lanes."""
     w = x.shape[1]
     hd = mod.head_dim
 
@@ -305,19 +305,29 @@ def attention_pre(mod, x, cos, sin, kbuf, vbuf, positions, cal, consts: Constant
     def key():
         key = rms_norm(mod.k_norm, linear(mod.k_proj, x, cal).view(1, w, -1, hd), cal, consts,
                        cal.head_norm).transpose(1, 2)
-        kbuf.index_copy_(2, positions, rotary(key, cos, sin))
+        return rotary(key, cos, sin)
 
     def value():
-        vbuf.index_copy_(2, positions, linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2))
+        return linear(mod.v_proj, x, cal).view(1, w, -1, hd).transpose(1, 2)
 
-    (query, gate), _, _ = lanes.fork(query_and_gate, key, value)
+    (query, gate), key, value = lanes.fork(query_and_gate, key, value)
     if w == 1:
-        return [query], gate
+        return [query], gate, key, value
     # each row's query as its own contiguous [1,H,1,hd] block, as the serial step has it: one
     # copy into [w,H,hd] order, then views
     by_row = query.transpose(1, 2).contiguous()
     q_rows = [by_row[:, i].unsqueeze(2) for i in range(w)]
-    return q_rows, gate
+    return q_rows, gate, key, value
+
+
+def write_kv(kbuf, vbuf, key, value, start: int) -> None:
+    """A window's keys and values into the cache at positions start..start+w-1, as two plain copies
+    at a host-side offset: on a GPU under deterministic algorithms, an ``index_copy_`` at
+    device-side positions (what a graph could hold) is a sort-based ``index_put_`` of several
+    kernels."""
+    w = key.shape[2]
+    kbuf[:, :, start:start + w].copy_(key)
+    vbuf[:, :, start:start + w].copy_(value)
 
 
 def rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ Everything with fixed shapes (embedding, projections, norms, conv, recurrence, M
 in captured CUDA graphs. Attention's q_len=1 calls do not: the KV length grows every token, and
 the control's attention kernel must see exactly that length to produce the same bits, so the
 program is cut into graph segments around them and those calls run eagerly in between
-(``capture around it``). One program per window size; on a CPU the same segments run eagerly.
+(``capture around it``), each after a plain copy of the window's keys and values into the cache at
+the window's start. The rows kept for the MTP head are copied the same way after the last graph.
+One program per window size; on a CPU the same segments run eagerly.
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ class WindowProgram:
         current.append(self._commit_states)
         current.append(self._head)
         segments.append(("graph", partial(run_all, current)))
+        if self.state.row_hidden is not None:
+            segments.append(("eager", self._keep_rows))
         return segments
 
     def _embed(self):
@@ -76,12 +80,13 @@ class WindowProgram:
         layer = self.model.backbone.model.layers[idx]
         x = self.ws["x"]
         h = L.rms_norm(layer.input_layernorm, x, self.cal, self.consts, lanes=self.lanes)
-        q_rows, gate = L.attention_pre(layer.self_attn, h, self.ws["cos"], self.ws["sin"], self.state.keys[idx],
-                                       self.state.values[idx], self.positions, self.cal, self.consts, self.lanes)
-        self.ws[("q", idx)], self.ws[("gate", idx)] = q_rows, gate
+        q_rows, gate, key, value = L.attention_pre(layer.self_attn, h, self.ws["cos"], self.ws["sin"], self.cal,
+                                                   self.consts, self.lanes)
+        self.ws[("q", idx)], self.ws[("gate", idx)], self.ws[("kv", idx)] = q_rows, gate, (key, value)
 
     def _attn_core(self, idx):
         layer = self.model.backbone.model.layers[idx]
+        L.write_kv(self.state.keys[idx], self.state.values[idx], *self.ws[("kv", idx)], self.start)
         L.attention_core(layer.self_attn, self.ws[("q", idx)], self.state.keys[idx], self.state.values[idx],
                          self.start, self.attn_out[idx], contiguous_kv=not self.cal.kv_view_ok, lanes=self.eager_lanes)
 
@@ -110,10 +115,13 @@ class WindowProgram:
         self.ws["hidden"] = hidden
         self.ws["logits"] = L.linear(lm.lm_head, hidden, self.cal)
         self.ws["argmax"] = self.ws["logits"].argmax(-1)
-        st = self.state
-        if st.row_hidden is not None:  # each position's rows, kept for the MTP head (state.py)
-            st.row_hidden.index_copy_(1, self.positions, hidden)
-            st.row_next.index_copy_(1, self.positions, self.ws["argmax"])
+
+    def _keep_rows(self):
+        """Each position's final hidden state and argmax, kept for the MTP head (state.py); eager,
+        for the reason ``layers.write_kv`` gives."""
+        st, a, b = self.state, self.start, self.start + self.w
+        st.row_hidden[:, a:b].copy_(self.ws["hidden"])
+        st.row_next[:, a:b].copy_(self.ws["argmax"])
 
     # ------------------------------------------------------------------ running
 
