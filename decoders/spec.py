@@ -106,8 +106,8 @@ PLAIN_RUN = 16
 class Pending:
     """Between rounds, the head rows not yet computed with true inputs: positions [first, length)
     of the runtime's kept rows (``StaticState.row_hidden``, ``row_next``), i.e. each position's
-    final hidden state and the token after it. The runtime's forwards write those rows inside
-    their graphs, so a plain step or a kept window adds rows without a copy. ``y`` [1,1] is the
+    final hidden state and the token after it. Each of the runtime's forwards writes those rows
+    itself, so a plain step or a kept window adds rows with no copy in this loop. ``y`` [1,1] is the
     token after the last committed position: the last emitted token, the next backbone input. It
     is a view the loop sets after each round (the step's own argmax buffer after a plain step: no
     slicing on the host per step), valid until the next forward, which reads it first."""

@@ -45,7 +45,7 @@ class StaticState:
             self.rec_capture[idx] = self.rec_capture_all[slot]
             self.gdn_layers.append(idx)
         # with keep_rows, every forward leaves each position's final hidden state and argmax here
-        # (what the MTP head consumes), written inside the graphs: no copy per step outside them
+        # (what the MTP head consumes), copied in by each window program right after its graphs
         self.row_hidden = self.row_next = None
         if keep_rows:
             self.row_hidden = torch.zeros(1, capacity, cfg.hidden_size, dtype=dtype, device=device)
