@@ -262,5 +262,6 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
         torch.cuda.empty_cache()
     return result
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -186,11 +186,12 @@ class SpecDecoder:
     @torch.inference_mode()
     def measure_costs(self, reps: int = 7) -> dict:
         """Seconds of a plain step, a chained head step, each verify window and the head's rows for
-        a 16-token prompt (one block of PREFILL_ROWS rows where they are padded), on this device, now, every rep kept: ``{"step": [..], "draft": [..],
-        "verify": {w: [..]}, "head_prefill": [..]}``
-        (``Costs.from_reps`` reduces them). Timed in interleaved rounds (each round times every op
-        once): a busy spell on a shared CPU then slows one round of every op, not every rep of one
-        op, so the ratios between ops that the policy trades on stay right in the fastest round."""
+        a 16-token prompt (one block of PREFILL_ROWS rows where they are padded), on this device,
+        now, every rep kept: ``{"step": [..], "draft": [..], "verify": {w: [..]},
+        "head_prefill": [..]}`` (``Costs.from_reps`` reduces them). Timed in interleaved rounds
+        (each round times every op once): a busy spell on a shared CPU then slows one round of every
+        op, not every rep of one op, so the ratios between ops that the policy trades on stay right
+        in the fastest round."""
         rt, dr, dev = self.runtime, self.drafter, self.model.device
         prompt = list(range(3, 3 + 16))
         logits, hidden = rt.prefill(prompt)

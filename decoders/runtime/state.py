@@ -77,6 +77,4 @@ class StaticState:
         torch._foreach_copy_(self.tensors(), saved)
 
     def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all, self.rec_capture_all]
-        tensors += [t for t in (self.row_hidden, self.row_next) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (*self.tensors(), self.rec_capture_all))
