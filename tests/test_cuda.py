@@ -219,3 +219,26 @@ def test_windows_with_and_without_lanes_are_bit_identical(models, which):
     for b_logits, b_state in others:
         assert all(torch.equal(a, b) for a, b in zip(a_logits, b_logits))
         assert all(torch.equal(a, b) for a, b in zip(a_state, b_state))
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_graphed_prefill_scan_is_proven_and_equals_the_control(models, which, monkeypatch):
+    """The runtime's prefill, its chunk scans replayed from graphs, against transformers' forward:
+    final hidden states and every cache tensor, for prompts of 1 to 5 chunks and past the graphed
+    range (which runs the scan eagerly)."""
+    from decoders.runtime import prefill
+
+    model = models[which]
+    monkeypatch.setattr(prefill, "MAX_GRAPHED_CHUNKS", 4)
+    rt = ExactRuntime(model, capacity=512, windows=(1,))
+    assert rt.scan is not None, rt.scan_proof
+    assert sorted(rt.scan.graphs) == [1, 2, 3, 4]
+    text = model.backbone.model
+    for length in (1, 63, 64, 65, 200, 300):
+        ids = torch.tensor([random_prompt(model, length, length)], device="cuda")
+        want_hidden, want_cache = prefill.control_forward(text, ids)
+        got_hidden, got_cache = prefill.prefill_forward(text, ids, rt.scan)
+        assert torch.equal(got_hidden, want_hidden), length
+        for got, want in zip(prefill.cache_tensors(got_cache, text.config),
+                             prefill.cache_tensors(want_cache, text.config)):
+            assert torch.equal(got, want), length

@@ -2,7 +2,9 @@
 
 Bit-exactness contract: every logit this runtime computes for a position equals, bit for bit,
 the logit the pristine ``serial`` control computes for that position after the same tokens.
-  * prefill is the control's own HF forward (same call, same arithmetic), copied into static state;
+  * prefill is the control's own HF forward (``prefill.py``: transformers' modules and functions
+    as its forward calls them, the Gated-DeltaNet chunk scans replayed from graphs where proven
+    on this device), copied into static state;
   * a step or a window runs ``layers.py``'s ops, which mirror HF's serial step and batch over rows
     only where ``calibration.py`` proved it bit-equal on this device;
   * RoPE rows are the control's own rotary computation, one position at a time, done once up front;
@@ -12,12 +14,11 @@ the logit the pristine ``serial`` control computes for that position after the s
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.graphs import capture_segments
 from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
+from decoders.runtime.prefill import graphed_scan, padded_rule, prefill_forward
 from decoders.runtime.program import WindowProgram
 from decoders.runtime.state import StaticState
 
@@ -53,6 +54,9 @@ class ExactRuntime:
         self.length = 0  # tokens whose state is committed
         self.prefilled = False  # whether a prefill has set the state a step or window continues
         self.last_verify: WindowProgram | None = None  # the window ``accept`` commits rows of
+        # the prefill's chunk scans as graphs, where proven equal to the control's here (prefill.py)
+        self.scan, self.scan_proof = (graphed_scan(lm.model, capacity, self._warmup_stream) if self.use_graphs
+                                      else (None, "no graphs"))
         for w in windows:
             self.program(w, capture=w > 1)
 
@@ -106,10 +110,8 @@ class ExactRuntime:
         lm = self.model.backbone
         if len(prompt_ids) + 1 > self.capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit capacity {self.capacity}")
-        cache = DynamicCache(config=lm.config)
         ids = torch.tensor([prompt_ids], device=self.device)
-        out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state
+        hidden, cache = prefill_forward(lm.model, ids, self.scan or padded_rule)
         logits = lm.lm_head(hidden[:, -1:, :])
         self.state.load_from_cache(cache, len(prompt_ids))
         if self.state.row_hidden is not None:  # the last prompt position's rows, as a step leaves them
