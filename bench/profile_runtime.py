@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     spec.prepare(model)
     rt, dr = spec.runtime, spec.drafter
     print("calibration:", json.dumps(rt.cal.to_json()))
+    print("prefill:", rt.prefill_how)
     print("costs (ms):", {k: (round(v * 1e3, 3) if not isinstance(v, dict) else {w: round(x * 1e3, 3) for w, x in v.items()})
                           for k, v in vars(spec.costs).items()})
     gen = torch.Generator().manual_seed(0)

@@ -230,7 +230,7 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
     held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
     print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s, holding "
           f"{'n/a' if held is None else f'{held / 2**30:.3f} GiB'} (state {rt.state.nbytes() / 2**30:.3f} GiB); "
-          f"calibration {json.dumps(rt.cal.to_json())}", flush=True)
+          f"prefill: {rt.prefill_how}; calibration {json.dumps(rt.cal.to_json())}", flush=True)
 
     peak_reset(dev)
     step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)

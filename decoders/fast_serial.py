@@ -27,7 +27,7 @@ class FastSerialDecoder:
     def config(self) -> dict:
         rt = self.runtime
         return {"capacity": rt.capacity if rt else self.capacity, "graphs": bool(rt and rt.use_graphs),
-                "prefill_scan": rt.scan_proof if rt else None, "calibration": rt.cal.to_json() if rt else None}
+                "prefill": rt.prefill_how if rt else None, "calibration": rt.cal.to_json() if rt else None}
 
     def ensure_capacity(self, needed: int) -> ExactRuntime:
         """Static buffers are sized up front; a longer request gets a larger runtime (rounded up

@@ -245,7 +245,7 @@ class SpecDecoder:
                "explore_every": self.explore_every, "online_costs": self.online_costs}
         if self.runtime is not None:
             cfg["graphs"] = self.runtime.use_graphs
-            cfg["prefill_scan"] = self.runtime.scan_proof
+            cfg["prefill"] = self.runtime.prefill_how
             cfg["lanes"] = self.runtime.lanes.width
             cfg["eager_rows_on_lanes"] = self.runtime.eager_rows_on_lanes
             cfg["calibration"] = self.runtime.cal.to_json()

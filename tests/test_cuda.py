@@ -231,13 +231,13 @@ def test_graphed_prefill_scan_is_proven_and_equals_the_control(models, which, mo
     model = models[which]
     monkeypatch.setattr(prefill, "MAX_GRAPHED_CHUNKS", 4)
     rt = ExactRuntime(model, capacity=512, windows=(1,))
-    assert rt.scan is not None, rt.scan_proof
-    assert sorted(rt.scan.graphs) == [1, 2, 3, 4]
+    assert isinstance(rt.prefill_rule, prefill.ScanGraphs), rt.prefill_how
+    assert sorted(rt.prefill_rule.graphs) == [1, 2, 3, 4]
     text = model.backbone.model
     for length in (1, 63, 64, 65, 200, 300):
         ids = torch.tensor([random_prompt(model, length, length)], device="cuda")
         want_hidden, want_cache = prefill.control_forward(text, ids)
-        got_hidden, got_cache = prefill.prefill_forward(text, ids, rt.scan)
+        got_hidden, got_cache = prefill.prefill_forward(text, ids, rt.prefill_rule)
         assert torch.equal(got_hidden, want_hidden), length
         for got, want in zip(prefill.cache_tensors(got_cache, text.config),
                              prefill.cache_tensors(want_cache, text.config)):

@@ -62,3 +62,28 @@ def test_scan_buffers_and_views_keep_every_bit(which, request):
         assert torch.equal(got_hidden, want_hidden)
         assert all(torch.equal(g, w) for g, w in zip(cache_tensors(got_cache, text.config),
                                                       cache_tensors(want_cache, text.config)))
+
+
+def test_the_runtime_takes_only_a_proven_prefill(tiny, monkeypatch):
+    """Graphed scan where graphs are on (off a GPU its graphs are plain calls), else the eager rule;
+    a rule that moves one value is refused, down to the control's own forward."""
+    import dataclasses
+
+    from decoders.runtime import prefill
+
+    model = dataclasses.replace(tiny, extra={})
+    rule, how = prefill.choose_prefill(model, 512, use_graphs=False)
+    assert rule is prefill.padded_rule and how == "eager scan, proven"
+    rule, how = prefill.choose_prefill(model, 512, use_graphs=True)
+    assert isinstance(rule, ScanGraphs) and how == "graphed scan up to 8 chunks, proven"
+
+    exact = prefill.padded_rule
+
+    def off_by_a_little(*args):
+        out, state = exact(*args)
+        return out, state + 1e-3
+
+    assert prefill.prove(model.backbone.model, off_by_a_little, 512) == "the cache differs at 37 tokens"
+    monkeypatch.setattr(prefill, "padded_rule", off_by_a_little)
+    rule, how = prefill.choose_prefill(dataclasses.replace(tiny, extra={}), 512, use_graphs=True)
+    assert rule is None and how.endswith("the control's forward") and "graphed scan: the cache differs" in how

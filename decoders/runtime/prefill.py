@@ -10,8 +10,9 @@ layer, replays it with the same kernels on the same shapes and strides, hence th
 ``prefill_forward`` is transformers' text-model forward with that one function swapped: every
 other op is transformers' own module or function, called as its forward calls it. ``chunk_rule``
 is the chunked rule op for op, with its part after the padding handed to ``padded_rule`` (eager)
-or to a ``ScanGraphs`` (graphed). Whether the graphed prefill equals the control's on the device
-at hand is proved at start-up (``prove``), as the runtime's other batching is.
+or to a ``ScanGraphs`` (graphed). Which one a runtime uses is proved at start-up against the
+control's own forward (``choose_prefill``), as the runtime's other batching is; where neither
+proof holds, the runtime runs the control's forward itself.
 """
 from __future__ import annotations
 
@@ -205,29 +206,51 @@ def prefill_forward(text_model, ids: torch.Tensor, padded=padded_rule):
     return text_model.norm(hidden), cache
 
 
-def graphed_scan(text_model, capacity: int, warmup_stream=None) -> tuple[ScanGraphs | None, str]:
-    """Scan graphs for prompts of up to ``capacity`` tokens, if on this device ``prefill_forward``
-    with them equals the control's forward bit for bit (final hidden states and every cache
-    tensor) on the ``PROOF_LENGTHS`` prompts; else None. Returns (graphs or None, why)."""
-    config = text_model.config
+def choose_prefill(model, capacity: int, use_graphs: bool, warmup_stream=None):
+    """The padded chunk rule a runtime's prefill uses, each choice proven at start-up against the
+    control's forward (``prove``): the graphed scan where graphs are in use, else the eager rule
+    (proven once per loaded model), else None, the control's own forward. Returns (rule, how)."""
+    text = model.backbone.model
+    config = text.config
     if "linear_attention" not in config.layer_types[:config.num_hidden_layers]:
-        return None, "no Gated-DeltaNet layer"
+        return None, "the control's forward (no Gated-DeltaNet layer)"
+    failures = []
+    if use_graphs:
+        try:
+            scan = ScanGraphs(config, min(-(-capacity // CHUNK), MAX_GRAPHED_CHUNKS), text.embed_tokens.weight.device,
+                              warmup_stream)
+        except RuntimeError as e:  # a capture the device refuses
+            failures.append(f"graphed scan: capture failed ({e})")
+        else:
+            why = prove(text, scan, capacity)
+            if why is None:
+                return scan, f"graphed scan up to {max(scan.graphs)} chunks, proven"
+            failures.append(f"graphed scan: {why}")
+    proofs = model.extra.setdefault("prefill_proofs", {}) if hasattr(model, "extra") else {}
+    if "eager" not in proofs:
+        proofs["eager"] = prove(text, padded_rule, capacity)
+    if proofs["eager"] is None:
+        return padded_rule, "; ".join(failures + ["eager scan, proven"])
+    return None, "; ".join(failures + [f"eager scan: {proofs['eager']}", "the control's forward"])
+
+
+def prove(text_model, rule, capacity: int) -> str | None:
+    """None if ``prefill_forward`` with ``rule`` equals the control's forward bit for bit (final
+    hidden states and every cache tensor) on random prompts of the ``PROOF_LENGTHS`` that fit,
+    else what differed."""
+    config = text_model.config
     device = text_model.embed_tokens.weight.device
-    try:
-        scan = ScanGraphs(config, min(-(-capacity // CHUNK), MAX_GRAPHED_CHUNKS), device, warmup_stream)
-    except RuntimeError as e:  # a capture the device refuses: the eager scan stays
-        return None, f"capture failed: {e}"
     gen = torch.Generator().manual_seed(0)
     for length in (n for n in PROOF_LENGTHS if n < capacity):
         ids = torch.randint(3, config.vocab_size, (1, length), generator=gen).to(device)
         want_hidden, want_cache = control_forward(text_model, ids)
-        got_hidden, got_cache = prefill_forward(text_model, ids, scan)
+        got_hidden, got_cache = prefill_forward(text_model, ids, rule)
         if not torch.equal(got_hidden, want_hidden):
-            return None, f"hidden states differ at {length} tokens"
-        for got, want in zip(cache_tensors(got_cache, config), cache_tensors(want_cache, config)):
-            if not torch.equal(got, want):
-                return None, f"cache differs at {length} tokens"
-    return scan, "proven"
+            return f"hidden states differ at {length} tokens"
+        pairs = zip(cache_tensors(got_cache, config), cache_tensors(want_cache, config))
+        if not all(torch.equal(g, w) for g, w in pairs):
+            return f"the cache differs at {length} tokens"
+    return None
 
 
 @torch.inference_mode()

@@ -2,9 +2,9 @@
 
 Bit-exactness contract: every logit this runtime computes for a position equals, bit for bit,
 the logit the pristine ``serial`` control computes for that position after the same tokens.
-  * prefill is the control's own HF forward (``prefill.py``: transformers' modules and functions
-    as its forward calls them, the Gated-DeltaNet chunk scans replayed from graphs where proven
-    on this device), copied into static state;
+  * prefill is the control's own HF forward, copied into static state; ``prefill.py`` runs it with
+    the Gated-DeltaNet chunk scans replayed from graphs, where that is proven bit-equal to the
+    control's forward on this device at start-up;
   * a step or a window runs ``layers.py``'s ops, which mirror HF's serial step and batch over rows
     only where ``calibration.py`` proved it bit-equal on this device;
   * RoPE rows are the control's own rotary computation, one position at a time, done once up front;
@@ -18,7 +18,7 @@ from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.graphs import capture_segments
 from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
-from decoders.runtime.prefill import graphed_scan, padded_rule, prefill_forward
+from decoders.runtime.prefill import choose_prefill, control_forward, prefill_forward
 from decoders.runtime.program import WindowProgram
 from decoders.runtime.state import StaticState
 
@@ -54,9 +54,8 @@ class ExactRuntime:
         self.length = 0  # tokens whose state is committed
         self.prefilled = False  # whether a prefill has set the state a step or window continues
         self.last_verify: WindowProgram | None = None  # the window ``accept`` commits rows of
-        # the prefill's chunk scans as graphs, where proven equal to the control's here (prefill.py)
-        self.scan, self.scan_proof = (graphed_scan(lm.model, capacity, self._warmup_stream) if self.use_graphs
-                                      else (None, "no graphs"))
+        # the prefill's chunk rule (graphed where proven, prefill.py); None: the control's forward
+        self.prefill_rule, self.prefill_how = choose_prefill(model, capacity, self.use_graphs, self._warmup_stream)
         for w in windows:
             self.program(w, capture=w > 1)
 
@@ -104,14 +103,15 @@ class ExactRuntime:
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]):
-        """The control's prefill (HF forward, DynamicCache, last-row logits), into static state.
+        """The control's prefill (HF forward as ``prefill_rule`` runs it, last-row logits), into static state.
         Returns the last position's logits [1,V] and the hidden states of every prompt position
         [1,P,H] (after the final norm: what the MTP head consumes)."""
         lm = self.model.backbone
         if len(prompt_ids) + 1 > self.capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit capacity {self.capacity}")
         ids = torch.tensor([prompt_ids], device=self.device)
-        hidden, cache = prefill_forward(lm.model, ids, self.scan or padded_rule)
+        hidden, cache = (prefill_forward(lm.model, ids, self.prefill_rule) if self.prefill_rule is not None
+                         else control_forward(lm.model, ids))
         logits = lm.lm_head(hidden[:, -1:, :])
         self.state.load_from_cache(cache, len(prompt_ids))
         if self.state.row_hidden is not None:  # the last prompt position's rows, as a step leaves them
