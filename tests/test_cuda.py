@@ -232,7 +232,7 @@ def test_graphed_prefill_scan_is_proven_and_equals_the_control(models, which, mo
     monkeypatch.setattr(prefill, "MAX_GRAPHED_CHUNKS", 4)
     rt = ExactRuntime(model, capacity=512, windows=(1,))
     assert isinstance(rt.prefill_rule, prefill.ScanGraphs), rt.prefill_how
-    assert sorted(rt.prefill_rule.graphs) == [1, 2, 3, 4]
+    assert sorted(rt.prefill_rule.graphs) == [1, 2, 3, 4] and rt.prefill_rule.prove_each(seed=1) is None
     text = model.backbone.model
     for length in (1, 63, 64, 65, 200, 300):
         ids = torch.tensor([random_prompt(model, length, length)], device="cuda")

@@ -54,7 +54,7 @@ def test_scan_buffers_and_views_keep_every_bit(which, request):
     model = request.getfixturevalue(which)
     text = model.backbone.model
     scan = ScanGraphs(text.config, 2, "cpu")
-    assert sorted(scan.graphs) == [1, 2]
+    assert sorted(scan.graphs) == [1, 2] and scan.prove_each() is None
     for length in (1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1):
         ids = torch.randint(3, text.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
         want_hidden, want_cache = control_forward(text, ids)
