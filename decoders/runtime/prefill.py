@@ -54,6 +54,7 @@ def padded_rule(query, key, value, beta, decay) -> tuple[torch.Tensor, torch.Ten
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    del v_beta, k_beta, pairwise, ut_system, decayed_k_beta  # a graph's pool holds its peak: free them early
     state = torch.zeros((batch, heads, k_dim, v_dim), dtype=new_values.dtype, device=new_values.device)
     out = torch.zeros_like(new_values)
     query = query * cum_decay.exp().unsqueeze(-1)
