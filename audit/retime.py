@@ -20,6 +20,11 @@ arguments, control, N) and measures again:
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
             (control median over the candidate's first leg), as in the stream.
+  again     a prompt whose legs spread past ``core.schema.LEG_SPREAD_LIMIT`` on either side (a
+            burst of the machine's noise) is measured once more, on its spare: another fresh
+            prompt of the same length from the same seeded draw, which takes its place; the first
+            measurement stays in retime.json under ``remeasured``. Only noise can be won this
+            way: a spare is as fresh as the prompt it replaces, and its first leg is timed alike.
   tokens    every retimed leg is replayed through the audit's pristine serial path.
 
 Finding ``ratio-not-reproduced`` (fail) when the retimed median ratio falls short of the
@@ -91,10 +96,13 @@ class FreshPrompt:
     token_ids: list[int]
     warmup_ids: list[int]
     mirrors: str  # the stream prompt whose length it has
+    spare: "FreshPrompt | None" = None  # measured in its place if its legs are unstable
 
 
 class WorkerError(Exception):
     """A worker failed to start or to answer; the message names the side and what it said."""
+
+    prompt_id: str | None = None  # the fresh prompt it failed on, once timing began
 
 
 # --------------------------------------------------------------------------- fresh prompts
@@ -111,7 +119,8 @@ def random_ids(rng: random.Random, pool, length: int) -> list[int]:
 
 def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt], str]:
     """``k`` prompts the stream does not hold, each of the length of one of its prompts (picked by
-    the seed), from the stream's own source; and a line saying how they were drawn."""
+    the seed), from the stream's own source, each with a spare of the same length drawn after all
+    of them; and a line saying how they were drawn."""
     rng = random.Random(seed)
     mirrors = rng.sample(run.prompts, k)
     source = (run.header.get("prompts") or {}).get("source") or ""
@@ -119,31 +128,41 @@ def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt]
     held = {tuple(p.token_ids) for p in run.prompts}
     vocab = range(model.vocab_size)
     corpus = parse_corpus_spec(spec) if spec else None
+    lengths = [len(m.token_ids) for m in mirrors] * 2  # the prompts, then their spares
     if spec in RANDOM_SETS:
-        ids = [random_ids(rng, vocab, len(m.token_ids)) for m in mirrors]
+        ids = [random_ids(rng, vocab, n) for n in lengths]
         how = f"random token ids (as {source} draws them), seed from the stream's sha256"
     elif corpus is not None and model.tokenizer is not None and corpus[1] <= MAX_REBUILT_PROMPTS:
-        ids = corpus_snippets(model, corpus, [len(m.token_ids) for m in mirrors], rng)
+        ids = corpus_snippets(model, corpus, lengths, rng, required=k)
         how = (f"other snippets of the {corpus[0]} split than {source}'s {corpus[1]} "
                "(core.prompts.corpus_prompts), cut to each mirrored prompt's length")
     else:
         pool = [t for p in run.prompts for t in p.token_ids]
-        ids = [random_ids(rng, pool, len(m.token_ids)) for m in mirrors]
+        ids = [random_ids(rng, pool, n) for n in lengths]
         how = (f"ids resampled from the stream's own prompt tokens ({source or 'no source'} is not a set the "
                "audit can draw from)")
     out = []
-    for i, (m, tokens) in enumerate(zip(mirrors, ids)):
+    for j, tokens in enumerate(ids):
+        i, m = j % k, mirrors[j % k]
+        if tokens is None:  # a spare the source had no snippet left for
+            continue
         if tuple(tokens) in held:
             raise BadInput(f"a fresh prompt drawn for {m.id!r} is one of the stream's own prompts; "
                            "the stream's prompts are too few or too short to draw others from")
         # the warm-up, as the harness does it: another prompt of the same length
-        out.append(FreshPrompt(f"fresh-{i}", tokens, random_ids(rng, vocab, len(tokens)), m.id))
+        fp = FreshPrompt(f"fresh-{i}" + ("-again" if j >= k else ""), tokens, random_ids(rng, vocab, len(tokens)), m.id)
+        if j < k:
+            out.append(fp)
+        else:
+            out[i].spare = fp
     return out, how
 
 
-def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: random.Random) -> list[list[int]]:
+def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: random.Random,
+                    required: int | None = None) -> list[list[int] | None]:
     """Snippets cut after the set's own ones (indices count .. count + SNIPPET_WINDOW), taken in a
-    seeded order, each long enough once encoded, cut to its length."""
+    seeded order, each long enough once encoded, cut to its length; past the first ``required``
+    (default: all), None where none is left."""
     split, count = corpus
     pool = corpus_prompts(split, count + SNIPPET_WINDOW)[count:]
     rng.shuffle(pool)
@@ -156,6 +175,9 @@ def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: ran
                 out.append(list(ids[:length]))
                 break
         else:
+            if required is not None and len(out) >= required:
+                out.append(None)
+                continue
             raise BadInput(f"no fresh {split} snippet of {length} tokens among the {SNIPPET_WINDOW} after the "
                            f"set's own; retime with fewer --prompts")
     return out
@@ -310,12 +332,36 @@ def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_ne
 
 
 def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
-               warmup_tokens: int, out: list[PromptRun], instrument: bool = False) -> None:
-    """Per prompt: an untimed warm-up of both sides on its warm-up prompt (and, for an instrument,
-    its untimed preparation on the prompt, as ``harness time`` gives it), then ABBA legs. Each
-    prompt joins ``out`` once all its legs ran."""
+               warmup_tokens: int, out: list[tuple[FreshPrompt, PromptRun]], instrument: bool = False,
+               remeasured: list[dict] | None = None) -> None:
+    """Per prompt: its timing (``time_prompt``), or, if either side's legs spread past the limit,
+    its spare's, the first kept in ``remeasured``. Each prompt joins ``out`` with the fresh prompt
+    it ran, once all its legs ran."""
     origin = time.perf_counter()
     for n, fp in enumerate(prompts, start=1):
+        p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
+        log(f"retime [{n}/{len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
+            f"ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
+        if checks.is_unstable(p) and fp.spare is not None:
+            spread = checks.prompt_spreads(p)
+            if remeasured is not None:
+                remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors,
+                                   "ratio": checks.prompt_medians(p)["ratio"], "leg_spread": spread,
+                                   "walls": {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES}})
+            log(f"retime [{n}/{len(prompts)}] {fp.id}: legs unstable ("
+                + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
+                + f"), measured again on its spare {fp.spare.id}")
+            fp = fp.spare
+            p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
+            log(f"retime [{n}/{len(prompts)}] {fp.id}: ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
+        out.append((fp, p))
+
+
+def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int, legs: int, warmup_tokens: int,
+                instrument: bool, origin: float) -> PromptRun:
+    """An untimed warm-up of both sides on the prompt's warm-up ids (and, for an instrument, its
+    untimed preparation on the prompt, as ``harness time`` gives it), then ABBA legs."""
+    try:
         for role in ROLES:
             if warmup_tokens:
                 request(workers, role, fp.warmup_ids, warmup_tokens)
@@ -328,10 +374,10 @@ def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_t
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
                            "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens})
             seen[role] += 1
-        ratio = checks.prompt_medians(p)["ratio"]
-        log(f"retime [{n}/{len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
-            f"ratio {fmt_ratio(ratio)}")
-        out.append(p)
+    except WorkerError as exc:
+        exc.prompt_id = fp.id
+        raise
+    return p
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, Worker]:
@@ -384,7 +430,7 @@ def check_reproduced(recorded: float | None, retimed: float | None, noise: float
 
 def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPrompt], timed: list[PromptRun],
                    findings: list[dict], recorded: dict, max_new_tokens: int, legs: int, seconds: float,
-                   exact: dict[str, bool]) -> dict:
+                   exact: dict[str, bool], remeasured: list[dict] = ()) -> dict:
     per_recorded, recorded_median = recorded
     ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
     retimed_median = checks.median_ratio(list(ratios.values()))
@@ -416,6 +462,8 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
                      "walls": {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES},
                      "token_ids": fp.token_ids}
                     for fp, p in zip(fresh, timed)],
+        # prompts whose legs were unstable, each replaced by its spare (their ratios count nowhere)
+        "remeasured": list(remeasured),
         "findings": findings,
     }
 
@@ -431,6 +479,10 @@ def render_table(doc: dict) -> str:
              for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
     lines.append(f"fresh prompts: {doc['fresh_prompts']}")
+    for e in doc.get("remeasured", []):
+        spread = max(s for s in e["leg_spread"].values() if s is not None)
+        lines.append(f"measured again: {e['id']} (legs differ by {spread:.0%}, ratio {fmt_ratio(e['ratio'])}) "
+                     f"replaced by {e['replaced_by']}")
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
@@ -474,15 +526,15 @@ def retime(opts: RetimeOptions) -> int:
     log(f"retiming {run.header['candidate']['name']} vs {run.header['control']['name']} on {k} fresh prompts "
         f"x {opts.legs} legs, N={n}, {dev}: {how}")
     workers = start_workers(sides, model_spec, dev)
-    timed = []
+    ran, remeasured = [], []
     try:
-        time_fresh(workers, fresh, n, opts.legs, warmup, timed, instrument=instrument)
+        time_fresh(workers, fresh, n, opts.legs, warmup, ran, instrument=instrument, remeasured=remeasured)
     except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
-        findings.append(checks.finding("retime-error", "fail", fresh[len(timed)].id, str(exc)))
+        findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
     finally:
         for w in workers.values():
             w.close()
-    fresh = fresh[:len(timed)]
+    fresh, timed = [fp for fp, _ in ran], [p for _, p in ran]
 
     fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
@@ -496,6 +548,6 @@ def retime(opts: RetimeOptions) -> int:
     findings += check_reproduced(recorded[1], retimed, noise_of(run.prompts, timed)["used"])
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
-                         time.perf_counter() - started, exact)
+                         time.perf_counter() - started, exact, remeasured)
     write_document(out_path, doc, render_table(doc))
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
