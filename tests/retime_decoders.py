@@ -40,3 +40,24 @@ class Precomputed:
             time.sleep(self.answer_s)
             return DecodeResult(known[:stop_index(known, self.eos, max_new_tokens)], DecodeStats())
         return self.inner.decode(prompt_ids, max_new_tokens)
+
+
+class PrecomputedUneven(Precomputed):
+    """Precomputed that also spoils its own later legs: every second decode of a prompt it does not
+    know sleeps ``spoil_s`` more, so that each of the retime's prompts looks unstable and is
+    measured again on its spare, hoping that noise favours one of the two first legs."""
+
+    name = "precomputed-uneven"
+
+    def __init__(self, max_new_tokens: int = 64, answer_s: float = 0.004, spoil_s: float = 0.3):
+        super().__init__(max_new_tokens, answer_s)
+        self.spoil_s = spoil_s
+        self.seen: dict[tuple, int] = {}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        key = tuple(prompt_ids)
+        if key not in self.table:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] % 2 == 0:
+                time.sleep(self.spoil_s)
+        return super().decode(prompt_ids, max_new_tokens)

@@ -110,6 +110,19 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
     assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
 
 
+def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_path):
+    """Each retimed prompt is measured again on its spare, whose first leg is timed alike: the
+    claim still fails, and the document shows the measurements it replaced."""
+    stream = run_harness(tmp_path / "uneven", "retime_decoders:PrecomputedUneven", limit=PROMPTS, n=N, legs=LEGS)
+    result, doc = run_retime(stream, "--trust-plugin")
+    assert result.exit_code == 1, result.output
+    assert findings(doc, "ratio-not-reproduced") and all(e["exact"] for e in doc["prompts"])
+    assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(PROMPTS)]
+    assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(PROMPTS)]
+    assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
+    assert "measured again: fresh-0" in result.stdout
+
+
 def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
     outdir = tmp_path / "outdir"
     outdir.mkdir()
