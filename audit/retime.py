@@ -332,22 +332,21 @@ def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_ne
 
 
 def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
-               warmup_tokens: int, out: list[tuple[FreshPrompt, PromptRun]], instrument: bool = False,
-               remeasured: list[dict] | None = None) -> None:
+               warmup_tokens: int, out: list[tuple[FreshPrompt, PromptRun]], remeasured: list[dict],
+               instrument: bool = False) -> None:
     """Per prompt: its timing (``time_prompt``), or, if either side's legs spread past the limit,
     its spare's, the first kept in ``remeasured``. Each prompt joins ``out`` with the fresh prompt
     it ran, once all its legs ran."""
     origin = time.perf_counter()
     for n, fp in enumerate(prompts, start=1):
         p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
+        ratio = checks.prompt_medians(p)["ratio"]
         log(f"retime [{n}/{len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
-            f"ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
+            f"ratio {fmt_ratio(ratio)}")
         if checks.is_unstable(p) and fp.spare is not None:
             spread = checks.prompt_spreads(p)
-            if remeasured is not None:
-                remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors,
-                                   "ratio": checks.prompt_medians(p)["ratio"], "leg_spread": spread,
-                                   "walls": {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES}})
+            remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors, "ratio": ratio,
+                               "leg_spread": spread, "walls": leg_walls(p)})
             log(f"retime [{n}/{len(prompts)}] {fp.id}: legs unstable ("
                 + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
                 + f"), measured again on its spare {fp.spare.id}")
@@ -430,7 +429,7 @@ def check_reproduced(recorded: float | None, retimed: float | None, noise: float
 
 def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPrompt], timed: list[PromptRun],
                    findings: list[dict], recorded: dict, max_new_tokens: int, legs: int, seconds: float,
-                   exact: dict[str, bool], remeasured: list[dict] = ()) -> dict:
+                   exact: dict[str, bool], remeasured: list[dict]) -> dict:
     per_recorded, recorded_median = recorded
     ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
     retimed_median = checks.median_ratio(list(ratios.values()))
@@ -459,8 +458,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "prompts": [{"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
                      "recorded_ratio": per_recorded[fp.mirrors]["ratio"], "ratio": ratios[p.id],
                      "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p),
-                     "walls": {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES},
-                     "token_ids": fp.token_ids}
+                     "walls": leg_walls(p), "token_ids": fp.token_ids}
                     for fp, p in zip(fresh, timed)],
         # prompts whose legs were unstable, each replaced by its spare (their ratios count nowhere)
         "remeasured": list(remeasured),
@@ -468,10 +466,18 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
     }
 
 
+def leg_walls(p: PromptRun) -> dict[str, list[float]]:
+    return {role: [r["wall_s"] for r in p.role_legs(role)] for role in ROLES}
+
+
+def widest_spread(spreads: dict[str, float | None]) -> float | None:
+    return max((s for s in spreads.values() if s is not None), default=None)
+
+
 def render_table(doc: dict) -> str:
     rows = [("fresh prompt", "like", "P", "recorded", "retimed", "spread", "exact")]
     for e in doc["prompts"]:
-        spread = max((s for s in e["leg_spread"].values() if s is not None), default=None)
+        spread = widest_spread(e["leg_spread"])
         rows.append((e["id"], e["mirrors"], str(e["tokens"]), fmt_ratio(e["recorded_ratio"]), fmt_ratio(e["ratio"]),
                      "-" if spread is None else f"{spread:.0%}", "yes" if e["exact"] else "NO"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -479,9 +485,9 @@ def render_table(doc: dict) -> str:
              for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
     lines.append(f"fresh prompts: {doc['fresh_prompts']}")
-    for e in doc.get("remeasured", []):
-        spread = max(s for s in e["leg_spread"].values() if s is not None)
-        lines.append(f"measured again: {e['id']} (legs differ by {spread:.0%}, ratio {fmt_ratio(e['ratio'])}) "
+    for e in doc["remeasured"]:
+        lines.append(f"measured again: {e['id']} (legs differ by {widest_spread(e['leg_spread']):.0%}, "
+                     f"ratio {fmt_ratio(e['ratio'])}) "
                      f"replaced by {e['replaced_by']}")
     lines += finding_lines(doc["findings"])
     lines.append("")
@@ -528,7 +534,7 @@ def retime(opts: RetimeOptions) -> int:
     workers = start_workers(sides, model_spec, dev)
     ran, remeasured = [], []
     try:
-        time_fresh(workers, fresh, n, opts.legs, warmup, ran, instrument=instrument, remeasured=remeasured)
+        time_fresh(workers, fresh, n, opts.legs, warmup, ran, remeasured, instrument=instrument)
     except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
         findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
     finally:

@@ -137,7 +137,6 @@ class ScanGraphs:
         self.graphs[n].replay()
         return v["out"], self.state.clone()
 
-
     @torch.inference_mode()
     def prove_each(self, seed: int = 0) -> str | None:
         """None if every graph reproduces the eager ``padded_rule`` bit for bit on random inputs of
