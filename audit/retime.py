@@ -25,6 +25,11 @@ arguments, control, N) and measures again:
             prompt of the same length from the same seeded draw, which takes its place; the first
             measurement stays in retime.json under ``remeasured``. Only noise can be won this
             way: a spare is as fresh as the prompt it replaces, and its first leg is timed alike.
+  second    a first look whose median ratio falls short (below) is followed by a second look
+  look      at as many fresh prompts, drawn after the first look's and its spares, and the
+            judgment is on all of them; retime.json says so under ``second_look``. Noise that
+            sank one look rarely sinks both, while a decoder slower than its claim is as slow on
+            the second look's fresh prompts as on the first's.
   tokens    every retimed leg is replayed through the audit's pristine serial path.
 
 Finding ``ratio-not-reproduced`` (fail) when the retimed median ratio falls short of the
@@ -46,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.prompts import RANDOM_SETS, corpus_prompts, parse_corpus_spec
@@ -117,10 +122,12 @@ def random_ids(rng: random.Random, pool, length: int) -> list[int]:
     return [pool[rng.randrange(len(pool))] for _ in range(length)]
 
 
-def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt], str]:
-    """``k`` prompts the stream does not hold, each of the length of one of its prompts (picked by
-    the seed), from the stream's own source, each with a spare of the same length drawn after all
-    of them; and a line saying how they were drawn."""
+def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt], list[FreshPrompt], str]:
+    """Two looks of ``k`` prompts the stream does not hold, each of the length of one of its
+    prompts (picked by the seed), from the stream's own source, each with a spare of the same
+    length; and a line saying how they were drawn. The first look and its spares are drawn
+    first, so that a second look never changes them; a source with too few snippets may leave
+    the second look short or empty."""
     rng = random.Random(seed)
     mirrors = rng.sample(run.prompts, k)
     source = (run.header.get("prompts") or {}).get("source") or ""
@@ -128,7 +135,8 @@ def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt]
     held = {tuple(p.token_ids) for p in run.prompts}
     vocab = range(model.vocab_size)
     corpus = parse_corpus_spec(spec) if spec else None
-    lengths = [len(m.token_ids) for m in mirrors] * 2  # the prompts, then their spares
+    # the first look's prompts, their spares, the second look's prompts, their spares
+    lengths = [len(m.token_ids) for m in mirrors] * 4
     if spec in RANDOM_SETS:
         ids = [random_ids(rng, vocab, n) for n in lengths]
         how = f"random token ids (as {source} draws them), seed from the stream's sha256"
@@ -141,21 +149,24 @@ def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt]
         ids = [random_ids(rng, pool, n) for n in lengths]
         how = (f"ids resampled from the stream's own prompt tokens ({source or 'no source'} is not a set the "
                "audit can draw from)")
-    out = []
+    looks: list[list[FreshPrompt | None]] = [[None] * k, [None] * k]
     for j, tokens in enumerate(ids):
-        i, m = j % k, mirrors[j % k]
-        if tokens is None:  # a spare the source had no snippet left for
+        look, is_spare, i = j // (2 * k), (j // k) % 2 == 1, j % k
+        m = mirrors[i]
+        if tokens is None:  # a source with no snippet left for it
             continue
         if tuple(tokens) in held:
             raise BadInput(f"a fresh prompt drawn for {m.id!r} is one of the stream's own prompts; "
                            "the stream's prompts are too few or too short to draw others from")
         # the warm-up, as the harness does it: another prompt of the same length
-        fp = FreshPrompt(f"fresh-{i}" + ("-again" if j >= k else ""), tokens, random_ids(rng, vocab, len(tokens)), m.id)
-        if j < k:
-            out.append(fp)
-        else:
-            out[i].spare = fp
-    return out, how
+        fp = FreshPrompt(f"fresh-{look * k + i}" + ("-again" if is_spare else ""), tokens,
+                         random_ids(rng, vocab, len(tokens)), m.id)
+        if not is_spare:
+            looks[look][i] = fp
+        elif looks[look][i] is not None:
+            looks[look][i].spare = fp
+    first, second = ([fp for fp in look if fp is not None] for look in looks)
+    return first, second, how
 
 
 def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: random.Random,
@@ -331,29 +342,60 @@ def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_ne
     return t0, t1, tokens
 
 
+@dataclass
+class Measured:
+    """What a retime has timed so far; kept when a worker fails part way."""
+
+    ran: list[tuple[FreshPrompt, PromptRun]] = field(default_factory=list)  # the prompts that count
+    remeasured: list[dict] = field(default_factory=list)  # replaced by their spares, counting nowhere
+    second_look: dict | None = None  # why a second look was taken, once it was
+
+    @property
+    def timed(self) -> list[PromptRun]:
+        return [p for _, p in self.ran]
+
+
+def time_looks(workers: dict[str, Worker], looks: tuple[list[FreshPrompt], list[FreshPrompt]],
+               stream: list[PromptRun], recorded_median: float | None, max_new_tokens: int, legs: int,
+               warmup_tokens: int, out: Measured, instrument: bool = False) -> None:
+    """The first look; then, if its median ratio falls short of the recorded one (``judge``), the
+    second look, recorded in ``out.second_look``."""
+    first, second = looks
+    time_fresh(workers, first, max_new_tokens, legs, warmup_tokens, out, instrument)
+    short = judge(stream, recorded_median, out.timed)
+    if not (short and second):
+        return
+    f = short[0]
+    out.second_look = {"first_median_ratio": f["retimed"], "first_prompts": len(out.ran), "prompts": len(second)}
+    log(f"the first {len(out.ran)} fresh prompts' median ratio {fmt_ratio(f['retimed'])} is "
+        f"{1 - f['retimed'] / f['recorded']:.0%} below the recorded {fmt_ratio(f['recorded'])} (allowed "
+        f"{f['tolerance']:.0%}): a second look, at {len(second)} more, before judging")
+    time_fresh(workers, second, max_new_tokens, legs, warmup_tokens, out, instrument)
+
+
 def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_tokens: int, legs: int,
-               warmup_tokens: int, out: list[tuple[FreshPrompt, PromptRun]], remeasured: list[dict],
-               instrument: bool = False) -> None:
+               warmup_tokens: int, out: Measured, instrument: bool = False) -> None:
     """Per prompt: its timing (``time_prompt``), or, if either side's legs spread past the limit,
-    its spare's, the first kept in ``remeasured``. Each prompt joins ``out`` with the fresh prompt
-    it ran, once all its legs ran."""
+    its spare's, the first kept in ``out.remeasured``. Each prompt joins ``out.ran`` with the
+    fresh prompt it ran, once all its legs ran."""
     origin = time.perf_counter()
-    for n, fp in enumerate(prompts, start=1):
+    done = len(out.ran)
+    for n, fp in enumerate(prompts, start=done + 1):
         p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
         ratio = checks.prompt_medians(p)["ratio"]
-        log(f"retime [{n}/{len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
+        log(f"retime [{n}/{done + len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
             f"ratio {fmt_ratio(ratio)}")
         if checks.is_unstable(p) and fp.spare is not None:
             spread = checks.prompt_spreads(p)
-            remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors, "ratio": ratio,
-                               "leg_spread": spread, "walls": leg_walls(p)})
-            log(f"retime [{n}/{len(prompts)}] {fp.id}: legs unstable ("
+            out.remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors, "ratio": ratio,
+                                   "leg_spread": spread, "walls": leg_walls(p)})
+            log(f"retime [{n}/{done + len(prompts)}] {fp.id}: legs unstable ("
                 + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
                 + f"), measured again on its spare {fp.spare.id}")
             fp = fp.spare
             p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
-            log(f"retime [{n}/{len(prompts)}] {fp.id}: ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
-        out.append((fp, p))
+            log(f"retime [{n}/{done + len(prompts)}] {fp.id}: ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
+        out.ran.append((fp, p))
 
 
 def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int, legs: int, warmup_tokens: int,
@@ -414,6 +456,15 @@ def tolerance(noise: float) -> float:
     return max(noise / (1 + noise), MIN_TOLERANCE)
 
 
+def retimed_median(timed: list[PromptRun]) -> float | None:
+    return checks.median_ratio([checks.prompt_medians(p)["ratio"] for p in timed])
+
+
+def judge(stream: list[PromptRun], recorded_median: float | None, timed: list[PromptRun]) -> list[dict]:
+    """``ratio-not-reproduced`` if the retimed prompts' median falls short (``check_reproduced``)."""
+    return check_reproduced(recorded_median, retimed_median(timed), noise_of(stream, timed)["used"])
+
+
 def check_reproduced(recorded: float | None, retimed: float | None, noise: float) -> list[dict]:
     if recorded is None or retimed is None:
         return []
@@ -429,10 +480,9 @@ def check_reproduced(recorded: float | None, retimed: float | None, noise: float
 
 def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPrompt], timed: list[PromptRun],
                    findings: list[dict], recorded: dict, max_new_tokens: int, legs: int, seconds: float,
-                   exact: dict[str, bool], remeasured: list[dict]) -> dict:
+                   exact: dict[str, bool], remeasured: list[dict], second_look: dict | None = None) -> dict:
     per_recorded, recorded_median = recorded
     ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
-    retimed_median = checks.median_ratio(list(ratios.values()))
     noise = noise_of(run.prompts, timed)
     failed = any(f["severity"] == "fail" for f in findings)
     return {
@@ -449,7 +499,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "legs": legs,
         "verdict": "fail" if failed else "pass",
         "recorded_median_ratio": recorded_median,
-        "retimed_median_ratio": retimed_median,
+        "retimed_median_ratio": checks.median_ratio(list(ratios.values())),
         # the control's leg spread, median over prompts: the retime's, the stream's, the one used
         "noise": noise,
         "tolerance": tolerance(noise["used"]),
@@ -462,6 +512,8 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
                     for fp, p in zip(fresh, timed)],
         # prompts whose legs were unstable, each replaced by its spare (their ratios count nowhere)
         "remeasured": list(remeasured),
+        # None, or the first look's median that fell short and sent for a second look (all judged)
+        "second_look": second_look,
         "findings": findings,
     }
 
@@ -489,6 +541,11 @@ def render_table(doc: dict) -> str:
         lines.append(f"measured again: {e['id']} (legs differ by {widest_spread(e['leg_spread']):.0%}, "
                      f"ratio {fmt_ratio(e['ratio'])}) "
                      f"replaced by {e['replaced_by']}")
+    look = doc.get("second_look")
+    if look:
+        lines.append(f"second look: the first {look['first_prompts']} fresh prompts' median "
+                     f"{fmt_ratio(look['first_median_ratio'])} fell short; {look['prompts']} more were measured and "
+                     f"all {len(doc['prompts'])} judged together")
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
@@ -526,21 +583,23 @@ def retime(opts: RetimeOptions) -> int:
         raise BadInput(f"{mismatch[0]['message']}; retime with the stream's own model (--model)")
     n = opts.max_new_tokens or run.max_new_tokens
     k = min(opts.prompts, len(run.prompts))
-    fresh, how = fresh_prompts(run, model, k, seed)
+    first_look, second_look, how = fresh_prompts(run, model, k, seed)
+    recorded = checks.recompute_ratios(run.prompts)
     warmup = run.header.get("warmup_tokens")
     warmup = min(warmup, n) if checks.is_int(warmup) and warmup >= 0 else min(8, n)
     log(f"retiming {run.header['candidate']['name']} vs {run.header['control']['name']} on {k} fresh prompts "
         f"x {opts.legs} legs, N={n}, {dev}: {how}")
     workers = start_workers(sides, model_spec, dev)
-    ran, remeasured = [], []
+    measured = Measured()
     try:
-        time_fresh(workers, fresh, n, opts.legs, warmup, ran, remeasured, instrument=instrument)
+        time_looks(workers, (first_look, second_look), run.prompts, recorded[1], n, opts.legs, warmup, measured,
+                   instrument=instrument)
     except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
         findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
     finally:
         for w in workers.values():
             w.close()
-    fresh, timed = [fp for fp, _ in ran], [p for _, p in ran]
+    fresh, timed = [fp for fp, _ in measured.ran], measured.timed
 
     fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
@@ -549,11 +608,9 @@ def retime(opts: RetimeOptions) -> int:
     for p in timed:
         findings += checks.check_control_consistency(p)
         findings += checks.check_leg_spread(p)
-    recorded = checks.recompute_ratios(run.prompts)
-    retimed = checks.median_ratio([checks.prompt_medians(p)["ratio"] for p in timed])
-    findings += check_reproduced(recorded[1], retimed, noise_of(run.prompts, timed)["used"])
+    findings += judge(run.prompts, recorded[1], timed)
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
-                         time.perf_counter() - started, exact, remeasured)
+                         time.perf_counter() - started, exact, measured.remeasured, measured.second_look)
     write_document(out_path, doc, render_table(doc))
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

@@ -74,10 +74,11 @@ def test_seed_comes_from_the_stream_bytes(fast_serial_stream, tmp_path):
 
     run, model = load_run(fast_serial_stream), load_model("tiny", "cpu")
     seed = stream_seed(hashlib.sha256(fast_serial_stream.read_bytes()).hexdigest())
-    a, how = fresh_prompts(run, model, 2, seed)
-    b, _ = fresh_prompts(run, model, 2, seed)
-    c, _ = fresh_prompts(run, model, 2, seed + 1)
+    a, a2, how = fresh_prompts(run, model, 2, seed)
+    b, b2, _ = fresh_prompts(run, model, 2, seed)
+    c, _, _ = fresh_prompts(run, model, 2, seed + 1)
     assert [p.token_ids for p in a] == [p.token_ids for p in b] != [p.token_ids for p in c]
+    assert [p.token_ids for p in a2] == [p.token_ids for p in b2]
     assert all(p.warmup_ids != p.token_ids and len(p.warmup_ids) == len(p.token_ids) for p in a)
 
 
@@ -89,6 +90,7 @@ def test_shortened_candidate_legs_pass_replay_but_not_retime(fast_serial_stream,
 
     result, doc = run_retime(forged)
     assert result.exit_code == 1, result.output
+    assert doc["second_look"] is not None and len(doc["prompts"]) == 2 * PROMPTS
     (f,) = findings(doc, "ratio-not-reproduced")
     assert f["retimed"] < f["recorded"] * (1 - f["tolerance"])
     assert "ratio-not-reproduced" in result.stdout
@@ -111,14 +113,16 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
 
 
 def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_path):
-    """Each retimed prompt is measured again on its spare, whose first leg is timed alike: the
-    claim still fails, and the document shows the measurements it replaced."""
+    """Each retimed prompt is measured again on its spare, whose first leg is timed alike, and the
+    first look falls short, so a second look (spoiled and measured again alike) follows: the claim
+    still fails, and the document shows the measurements it replaced."""
     stream = run_harness(tmp_path / "uneven", "retime_decoders:PrecomputedUneven", limit=PROMPTS, n=N, legs=LEGS)
     result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
     assert findings(doc, "ratio-not-reproduced") and all(e["exact"] for e in doc["prompts"])
-    assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(PROMPTS)]
-    assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(PROMPTS)]
+    assert doc["second_look"]["first_prompts"] == doc["second_look"]["prompts"] == PROMPTS
+    assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(2 * PROMPTS)]
+    assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(2 * PROMPTS)]
     assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
     assert "measured again: fresh-0" in result.stdout
 
@@ -187,14 +191,18 @@ def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path,
     records[0]["prompts"]["source"] = source
     copy.write_text("".join(json.dumps(r) + "\n" for r in records))
     run, model = load_run(copy), load_model("tiny", "cpu")
-    fresh, said = fresh_prompts(run, model, 3, 12345)
+    first, second, said = fresh_prompts(run, model, 3, 12345)
     assert how in said
     lengths = {p.id: len(p.token_ids) for p in run.prompts}
+    assert [p.id for p in first] == ["fresh-0", "fresh-1", "fresh-2"]
+    assert [p.id for p in second] == ["fresh-3", "fresh-4", "fresh-5"]
+    assert [p.mirrors for p in second] == [p.mirrors for p in first]  # a second look like the first
+    fresh = first + second
     spares = [p.spare for p in fresh]
     assert [len(p.token_ids) for p in fresh + spares] == [lengths[p.mirrors] for p in fresh + spares]
     assert [p.mirrors for p in spares] == [p.mirrors for p in fresh]
     assert [p.id for p in spares] == [f"{p.id}-again" for p in fresh]
-    assert len({tuple(p.token_ids) for p in fresh + spares}) == 6  # each spare is another prompt
+    assert len({tuple(p.token_ids) for p in fresh + spares}) == 12  # each spare is another prompt
     if source.endswith("heldout"):  # none is the start of one of the set's own snippets
         tok = model.tokenizer.get()
         own = [tok.encode(e["text"]) for e in corpus_prompts("heldout", 10)]
@@ -225,7 +233,7 @@ class ScriptedWorker:
 def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
     """The first prompt's candidate legs differ by 4x: its spare is timed in its place and the
     first measurement is reported, not counted; the steady second prompt is timed once."""
-    from audit.retime import FreshPrompt, build_document, render_table, time_fresh
+    from audit.retime import FreshPrompt, Measured, build_document, render_table, time_fresh
     from audit.stream import Run
 
     def prompt(i, again=False):
@@ -236,8 +244,9 @@ def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
     for i, fp in enumerate(fresh):
         fp.spare = prompt(i, again=True)
     workers = {"control": ScriptedWorker([0.02] * 6), "candidate": ScriptedWorker([0.01, 0.04, 0.01, 0.01, 0.01, 0.01])}
-    ran, remeasured = [], []
-    time_fresh(workers, fresh, 2, 2, 2, ran, remeasured=remeasured)
+    out = Measured()
+    time_fresh(workers, fresh, 2, 2, 2, out)
+    ran, remeasured = out.ran, out.remeasured
     assert [fp.id for fp, _ in ran] == ["fresh-0-again", "fresh-1"]
     assert [p.id for _, p in ran] == ["fresh-0-again", "fresh-1"]
     assert workers["candidate"].timed == [fresh[0].token_ids] * 2 + [fresh[0].spare.token_ids] * 2 + [fresh[1].token_ids] * 2
@@ -257,14 +266,50 @@ def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
 def test_a_spare_is_timed_at_most_once():
     """A spare whose legs are unstable too stands, warned about by the spread check: a prompt is
     measured at most twice, so a retime always ends."""
-    from audit.retime import FreshPrompt, time_fresh
+    from audit.retime import FreshPrompt, Measured, time_fresh
 
     fp = FreshPrompt("fresh-0", list(range(5, 11)), [1, 2, 3, 4], "p0",
                      spare=FreshPrompt("fresh-0-again", list(range(20, 26)), [1, 2, 3, 4], "p0"))
     workers = {"control": ScriptedWorker([0.01, 0.04] * 2), "candidate": ScriptedWorker([0.01] * 4)}
-    ran, remeasured = [], []
-    time_fresh(workers, [fp], 2, 2, 2, ran, remeasured=remeasured)
-    assert [f.id for f, _ in ran] == ["fresh-0-again"] and len(remeasured) == 1
+    out = Measured()
+    time_fresh(workers, [fp], 2, 2, 2, out)
+    assert [f.id for f, _ in out.ran] == ["fresh-0-again"] and len(out.remeasured) == 1
+
+
+@pytest.mark.parametrize("first, second, looks_again, passes", [
+    (0.008, None, False, True),  # the first look reproduces the claim: judged on it alone
+    (0.02, 0.008, True, True),  # noise sank the first look: the second lifts the median of all four
+    (0.02, 0.02, True, False),  # a decoder slower than its claim is as slow on the second look
+])
+def test_a_first_look_that_falls_short_gets_a_second(first, second, looks_again, passes):
+    """Recorded ratio 2.0; the control takes 20 ms a leg; the candidate ``first`` seconds a leg on
+    the first look's two prompts and ``second`` on the second look's."""
+    from audit.retime import FreshPrompt, Measured, build_document, judge, render_table, time_looks
+    from audit.stream import Run
+
+    looks = tuple([FreshPrompt(f"fresh-{2 * look + i}", [10 * (2 * look + i) + 5 + j for j in range(6)],
+                               [1, 2, 3, 4], f"p{i}") for i in range(2)] for look in range(2))
+    candidate = [first] * 4 + ([second] * 4 if second else [])
+    workers = {"control": ScriptedWorker([0.02] * 8), "candidate": ScriptedWorker(candidate)}
+    out = Measured()
+    time_looks(workers, looks, [], 2.0, 2, 2, 2, out)
+    timed = [fp.id for fp, _ in out.ran]
+    assert timed == ["fresh-0", "fresh-1"] + (["fresh-2", "fresh-3"] if looks_again else [])
+    assert len(workers["candidate"].timed) == 2 * len(timed)  # the second look only when taken
+    if looks_again:
+        assert out.second_look["first_prompts"] == 2 and out.second_look["prompts"] == 2
+        assert out.second_look["first_median_ratio"] == pytest.approx(1.0, rel=0.2)
+    else:
+        assert out.second_look is None
+    findings = judge([], 2.0, out.timed)
+    assert (findings == []) == passes
+    run = Run(Path("stream.jsonl"), {"candidate": {"name": "c"}, "control": {"name": "s"}, "model": {"name": "m"}},
+              [], None, {})
+    recorded = ({"p0": {"ratio": 2.0}, "p1": {"ratio": 2.0}}, 2.0)
+    doc = build_document(run, "0" * 64, 0, "scripted", [fp for fp, _ in out.ran], out.timed, findings, recorded,
+                         2, 2, 0.1, dict.fromkeys(timed, True), out.remeasured, out.second_look)
+    assert doc["second_look"] == out.second_look and len(doc["prompts"]) == len(timed)
+    assert ("second look: the first 2 fresh prompts' median" in render_table(doc)) == looks_again
 
 
 def test_worker_that_cannot_start_is_bad_input(fast_serial_stream, tmp_path):
