@@ -157,23 +157,27 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
               help="Retime even on a device other than the recording one (a warning, not a refusal).")
 @click.option("--trust-plugin", is_flag=True,
               help="Run a plug-in decoder (package.module:attr) that the stream names: its code runs in a worker.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
+              help="Draw the fresh prompts from seed S (a retime.json's seed repeats its draw). Default: a secret "
+                   "seed drawn for this retime, shown once every leg ran.")
 def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch,
-               trust_plugin):
+               trust_plugin, seed):
     """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
     (python -m harness.worker), started cold; the audit times every request to its answer, ABBA,
-    on K fresh prompts of the stream's lengths drawn from its prompt source with a seed from the
-    stream's sha256, and replays every retimed token through its pristine serial path. Fails
-    (ratio-not-reproduced) when the retimed median ratio falls short of the recorded one by more
-    than max(the control's leg noise, 25%). Writes retime.json, prints both ratios per prompt and
-    median. Exit 0 reproduced, 1 findings, 2 bad input.
+    on K fresh prompts of the stream's lengths drawn from its prompt source with a secret seed
+    (a second look at K more when the first look falls short), and replays every retimed token
+    through its pristine serial path. Fails (ratio-not-reproduced) when the retimed median ratio
+    falls short of the recorded one by more than max(the control's leg noise, 25%). Writes
+    retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings, 2 bad
+    input.
     """
     from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
-                         trust_plugin=trust_plugin)
+                         trust_plugin=trust_plugin, seed=seed)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:

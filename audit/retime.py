@@ -7,10 +7,12 @@ arguments, control, N) and measures again:
 
   prompts   FRESH prompts the stream does not hold, as many as ``--prompts`` (default 4), each of
             the length of one of the stream's prompts, drawn from the stream's source: other
-            random ids for ``random-512*``, other snippets of the same split for ``stdlib-*``
-            (``core.prompts.corpus_prompts`` past the set's own), otherwise ids resampled from
-            the stream's own prompt tokens (said so in the output). The draw is seeded by the
-            stream file's sha256, which the file cannot know before it is written.
+            random ids for ``random-512*``, snippets of the same split from line starts the seed
+            picks for ``stdlib-*`` (any of the split's, not a list one could decode in advance),
+            otherwise ids resampled from the stream's own prompt tokens (said so in the output).
+            The seed is drawn for each retime (``secrets``) and shown only once every leg ran
+            (``--seed`` repeats a retime's draw); every draw (a prompt, its warm-up, its spare)
+            has its own generator from it, so what a worker is sent tells nothing of the rest.
   processes the candidate and the control each in a process of its own (``python -m
             harness.worker``), both started cold; the audit launches them by module name and
             imports no decoder or timing code itself. While one side is timed the other is
@@ -22,12 +24,12 @@ arguments, control, N) and measures again:
             (control median over the candidate's first leg), as in the stream.
   again     a prompt whose legs spread past ``core.schema.LEG_SPREAD_LIMIT`` on either side (a
             burst of the machine's noise) is measured once more, on its spare: another fresh
-            prompt of the same length from the same seeded draw, which takes its place; the first
+            prompt of the same length, drawn with the others, which takes its place; the first
             measurement stays in retime.json under ``remeasured``. Only noise can be won this
             way: a spare is as fresh as the prompt it replaces, and its first leg is timed alike.
   second    a first look whose median ratio falls short (below) is followed by a second look
-  look      at as many fresh prompts, drawn after the first look's and its spares, and the
-            judgment is on all of them; retime.json says so under ``second_look``. Noise that
+  look      at as many fresh prompts (and spares), drawn with the others, and the judgment is
+            on all of them; retime.json says so under ``second_look``. Noise that
             sank one look rarely sinks both, while a decoder slower than its claim is as slow on
             the second look's fresh prompts as on the first's.
   tokens    every retimed leg is replayed through the audit's pristine serial path.
@@ -46,6 +48,7 @@ import hashlib
 import json
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -54,11 +57,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.prompts import RANDOM_SETS, corpus_prompts, parse_corpus_spec
+from core.prompts import RANDOM_SETS, SNIPPET_CHARS, parse_corpus_spec, snippet_at, snippet_files
 from core.schema import ROLES, abba_roles, loads
 
 from audit import checks
-from audit.pipeline import (EXIT_FAIL, EXIT_PASS, MAX_REBUILT_PROMPTS, check_out_path, choose_device,
+from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
 from audit.replay import replay_run
@@ -73,9 +76,14 @@ MIN_TOLERANCE = 0.25
 # margin at most to a 50% shortfall (spread 100%), so a forger cannot hide a 4x claim behind
 # noise it wrote, and a 2x claim only behind legs the audit already flags as unstable
 STREAM_NOISE_CAP = 1.0
-# fresh corpus snippets cut past the set's own, to find enough long enough for every length
-SNIPPET_WINDOW = 256
+# a fresh corpus snippet is cut this long (twice a set's own) so that it is long enough once
+# encoded for the prompt it mirrors, at almost any line start; line starts tried for one
+FRESH_SNIPPET_CHARS = 2 * SNIPPET_CHARS
+SNIPPET_TRIES = 64
+# a fresh snippet may not begin with the first this many tokens of one of the stream's prompts
+HELD_START_TOKENS = 8
 WORKER_MODULE = "harness.worker"
+SEED_BITS = 63
 # seconds a worker may take to exit after its stdin closes, before it is killed
 WORKER_EXIT_S = 30
 
@@ -93,6 +101,7 @@ class RetimeOptions:
     device: str | None = None
     allow_device_mismatch: bool = False
     trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
+    seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
 
 
 @dataclass
@@ -113,8 +122,10 @@ class WorkerError(Exception):
 # --------------------------------------------------------------------------- fresh prompts
 
 
-def stream_seed(stream_sha256: str) -> int:
-    return int(stream_sha256[:16], 16)
+def draw_rng(seed: int, what: str) -> random.Random:
+    """The generator of one draw (``what`` names it) from the retime's seed: each draw's own, so the
+    ids a worker is sent (a warm-up's, a prompt's) say nothing of any other draw."""
+    return random.Random(f"qwen35-exact/retime/{seed}/{what}")
 
 
 def random_ids(rng: random.Random, pool, length: int) -> list[int]:
@@ -125,73 +136,65 @@ def random_ids(rng: random.Random, pool, length: int) -> list[int]:
 def fresh_prompts(run: Run, model, k: int, seed: int) -> tuple[list[FreshPrompt], list[FreshPrompt], str]:
     """Two looks of ``k`` prompts the stream does not hold, each of the length of one of its
     prompts (picked by the seed), from the stream's own source, each with a spare of the same
-    length; and a line saying how they were drawn. The first look and its spares are drawn
-    first, so that a second look never changes them; a source with too few snippets may leave
-    the second look short or empty."""
-    rng = random.Random(seed)
-    mirrors = rng.sample(run.prompts, k)
+    length; and a line saying how they were drawn."""
+    mirrors = draw_rng(seed, "mirrors").sample(run.prompts, k)
     source = (run.header.get("prompts") or {}).get("source") or ""
     spec = prompt_set_spec(source) if source.startswith("builtin:") else None
     held = {tuple(p.token_ids) for p in run.prompts}
     vocab = range(model.vocab_size)
     corpus = parse_corpus_spec(spec) if spec else None
-    # the first look's prompts, their spares, the second look's prompts, their spares
-    lengths = [len(m.token_ids) for m in mirrors] * 4
     if spec in RANDOM_SETS:
-        ids = [random_ids(rng, vocab, n) for n in lengths]
-        how = f"random token ids (as {source} draws them), seed from the stream's sha256"
-    elif corpus is not None and model.tokenizer is not None and corpus[1] <= MAX_REBUILT_PROMPTS:
-        ids = corpus_snippets(model, corpus, lengths, rng, required=k)
-        how = (f"other snippets of the {corpus[0]} split than {source}'s {corpus[1]} "
-               "(core.prompts.corpus_prompts), cut to each mirrored prompt's length")
+        def draw(rng, n):
+            return random_ids(rng, vocab, n)
+        how = f"random token ids (as {source} draws them)"
+    elif corpus is not None and model.tokenizer is not None:
+        files, tokenizer = snippet_files(corpus[0], FRESH_SNIPPET_CHARS), model.tokenizer.get()
+
+        def draw(rng, n):
+            return corpus_snippet(rng, files, tokenizer, n, held, corpus[0])
+        how = (f"snippets of the {corpus[0]} split ({source}'s) from line starts the seed picks, "
+               "cut to each mirrored prompt's length")
     else:
         pool = [t for p in run.prompts for t in p.token_ids]
-        ids = [random_ids(rng, pool, n) for n in lengths]
+
+        def draw(rng, n):
+            return random_ids(rng, pool, n)
         how = (f"ids resampled from the stream's own prompt tokens ({source or 'no source'} is not a set the "
                "audit can draw from)")
-    looks: list[list[FreshPrompt | None]] = [[None] * k, [None] * k]
-    for j, tokens in enumerate(ids):
-        look, is_spare, i = j // (2 * k), (j // k) % 2 == 1, j % k
-        m = mirrors[i]
-        if tokens is None:  # a source with no snippet left for it
-            continue
+
+    def fresh(fid: str, m: PromptRun) -> FreshPrompt:
+        tokens = draw(draw_rng(seed, f"prompt/{fid}"), len(m.token_ids))
         if tuple(tokens) in held:
             raise BadInput(f"a fresh prompt drawn for {m.id!r} is one of the stream's own prompts; "
                            "the stream's prompts are too few or too short to draw others from")
         # the warm-up, as the harness does it: another prompt of the same length
-        fp = FreshPrompt(f"fresh-{look * k + i}" + ("-again" if is_spare else ""), tokens,
-                         random_ids(rng, vocab, len(tokens)), m.id)
-        if not is_spare:
-            looks[look][i] = fp
-        elif looks[look][i] is not None:
-            looks[look][i].spare = fp
-    first, second = ([fp for fp in look if fp is not None] for look in looks)
-    return first, second, how
+        return FreshPrompt(fid, tokens, random_ids(draw_rng(seed, f"warmup/{fid}"), vocab, len(tokens)), m.id)
+
+    looks = []
+    for look in range(2):
+        prompts = []
+        for i, m in enumerate(mirrors):
+            fid = f"fresh-{look * k + i}"
+            fp = fresh(fid, m)
+            fp.spare = fresh(f"{fid}-again", m)
+            prompts.append(fp)
+        looks.append(prompts)
+    return looks[0], looks[1], how
 
 
-def corpus_snippets(model, corpus: tuple[str, int], lengths: list[int], rng: random.Random,
-                    required: int | None = None) -> list[list[int] | None]:
-    """Snippets cut after the set's own ones (indices count .. count + SNIPPET_WINDOW), taken in a
-    seeded order, each long enough once encoded, cut to its length; past the first ``required``
-    (default: all), None where none is left."""
-    split, count = corpus
-    pool = corpus_prompts(split, count + SNIPPET_WINDOW)[count:]
-    rng.shuffle(pool)
-    tokenizer = model.tokenizer.get()
-    encoded = (tokenizer.encode(entry["text"]) for entry in pool)
-    out = []
-    for length in lengths:
-        for ids in encoded:
-            if len(ids) >= length:
-                out.append(list(ids[:length]))
-                break
-        else:
-            if required is not None and len(out) >= required:
-                out.append(None)
-                continue
-            raise BadInput(f"no fresh {split} snippet of {length} tokens among the {SNIPPET_WINDOW} after the "
-                           f"set's own; retime with fewer --prompts")
-    return out
+def corpus_snippet(rng: random.Random, files: list, tokenizer, length: int, held: set, split: str) -> list[int]:
+    """The first ``length`` tokens of a snippet from a file and line start ``rng`` picks, one long
+    enough that starts unlike every one of the stream's prompts (not where one of the set's own
+    snippets starts). Any line start of the split may come, so a decoder cannot decode every fresh
+    prompt in advance as it could a fixed list of snippets."""
+    starts = {h[:HELD_START_TOKENS] for h in held}
+    for _ in range(SNIPPET_TRIES):
+        f = files[rng.randrange(len(files))]
+        ids = tokenizer.encode(snippet_at(f.text, rng.randrange(len(f.text)), FRESH_SNIPPET_CHARS))
+        if len(ids) >= length and tuple(ids[:HELD_START_TOKENS]) not in starts:
+            return list(ids[:length])
+    raise BadInput(f"no {split} snippet of {length} tokens at {SNIPPET_TRIES} line starts: the stream's prompts are "
+                   "longer than the split's snippets")
 
 
 # --------------------------------------------------------------------------- workers
@@ -536,7 +539,7 @@ def render_table(doc: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
-    lines.append(f"fresh prompts: {doc['fresh_prompts']}")
+    lines.append(f"fresh prompts: {doc['fresh_prompts']}; seed {doc['seed']} (--seed {doc['seed']} draws them again)")
     for e in doc["remeasured"]:
         lines.append(f"measured again: {e['id']} (legs differ by {widest_spread(e['leg_spread']):.0%}, "
                      f"ratio {fmt_ratio(e['ratio'])}) "
@@ -573,7 +576,9 @@ def retime(opts: RetimeOptions) -> int:
     # per-prompt preparation the harness gave it
     instrument = run.header["candidate"].get("instrument") is True
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    seed = stream_seed(sha)
+    # drawn here and shown only once every leg ran: a decoder could read the stream file, a seed
+    # derived from it, and whatever the audit has printed to a file, but not this process's memory
+    seed = opts.seed if opts.seed is not None else secrets.randbits(SEED_BITS)
     dev = choose_device(opts.device, run.header["device"])
     findings = checks.check_devices(run.header, [replay_device_json(dev)], opts.allow_device_mismatch)
     model_spec = opts.model or model_spec_from_header(run.header)

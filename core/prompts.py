@@ -60,16 +60,28 @@ class Prompt:
 def corpus_prompts(split: str, count: int, chars: int = SNIPPET_CHARS) -> list[dict]:
     """``count`` snippets spread over a split's files (round-robin in path order), each starting at
     a line start chosen by a hash of (path, k): the same on every machine with the same stdlib."""
-    files = [f for f in collect().split(split) if len(f.text) > 2 * chars]
-    if not files:
-        raise UserError(f"the standard library here has no {split}-split files to cut prompts from")
+    files = snippet_files(split, chars)
     out = []
     for k in range(count):
         f = files[k % len(files)]
         h = int.from_bytes(hashlib.sha256(f"{f.path}\0{k}".encode()).digest()[:8], "big")
-        start = f.text.rfind("\n", 0, h % (len(f.text) - chars)) + 1
-        out.append({"id": f"{split}-{k}:{f.path}", "text": f.text[start:start + chars]})
+        out.append({"id": f"{split}-{k}:{f.path}", "text": snippet_at(f.text, h, chars)})
     return out
+
+
+def snippet_files(split: str, chars: int = SNIPPET_CHARS) -> list:
+    """The split's files long enough to cut snippets of ``chars`` characters from."""
+    files = [f for f in collect().split(split) if len(f.text) > 2 * chars]
+    if not files:
+        raise UserError(f"the standard library here has no {split}-split files to cut prompts from")
+    return files
+
+
+def snippet_at(text: str, position: int, chars: int = SNIPPET_CHARS) -> str:
+    """``chars`` characters of ``text`` from the line start at or before ``position`` (taken modulo
+    the room left for a whole snippet)."""
+    start = text.rfind("\n", 0, position % (len(text) - chars)) + 1
+    return text[start:start + chars]
 
 
 def parse_corpus_spec(spec: str) -> tuple[str, int] | None:

@@ -64,22 +64,41 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     assert "recorded" in result.stdout and "retimed" in result.stdout and "retime took" in result.stdout
 
 
-def test_seed_comes_from_the_stream_bytes(fast_serial_stream, tmp_path):
-    """The fresh prompts depend on the file's sha256: the same file draws the same prompts."""
-    import hashlib
-
-    from audit.retime import fresh_prompts, stream_seed
+def test_the_draw_comes_from_a_secret_seed_shown_at_the_end(fast_serial_stream, tmp_path):
+    """Each retime draws its own seed, which no worker is sent and which is printed only with the
+    result: a decoder cannot derive the fresh prompts from the stream file. ``--seed`` repeats a
+    retime's draw; every draw (a prompt, its spare, its warm-up) has a generator of its own."""
+    from audit.retime import fresh_prompts
     from audit.stream import load_run
     from core.models import load_model
 
     run, model = load_run(fast_serial_stream), load_model("tiny", "cpu")
-    seed = stream_seed(hashlib.sha256(fast_serial_stream.read_bytes()).hexdigest())
-    a, a2, how = fresh_prompts(run, model, 2, seed)
-    b, b2, _ = fresh_prompts(run, model, 2, seed)
-    c, _, _ = fresh_prompts(run, model, 2, seed + 1)
-    assert [p.token_ids for p in a] == [p.token_ids for p in b] != [p.token_ids for p in c]
-    assert [p.token_ids for p in a2] == [p.token_ids for p in b2]
-    assert all(p.warmup_ids != p.token_ids and len(p.warmup_ids) == len(p.token_ids) for p in a)
+
+    def ids(looks):
+        return [(p.token_ids, p.spare.token_ids, p.warmup_ids) for look in looks[:2] for p in look]
+    assert ids(fresh_prompts(run, model, 2, 7)) == ids(fresh_prompts(run, model, 2, 7)) != \
+        ids(fresh_prompts(run, model, 2, 8))
+    first, _, _ = fresh_prompts(run, model, 2, 7)
+    assert all(p.warmup_ids != p.token_ids and len(p.warmup_ids) == len(p.token_ids) for p in first)
+
+    docs, outputs = [], []
+    for args in ([], [], None):
+        copy = tmp_path / f"run{len(docs)}" / "stream.jsonl"
+        copy.parent.mkdir()
+        copy.write_bytes(fast_serial_stream.read_bytes())
+        result, doc = run_retime(copy, "--prompts", "1", *(["--seed", str(docs[0]["seed"])] if args is None else args))
+        assert result.exit_code in (0, 1), result.output  # the verdict is not what this test is about
+        docs.append(doc)
+        outputs.append(result.stdout)
+    seeds = [d["seed"] for d in docs]
+    assert seeds[0] != seeds[1] and seeds[2] == seeds[0]
+
+    def drawn(seed):  # every prompt a retime with this seed may time: both looks and their spares
+        return {tuple(t) for t, spare, _ in ids(fresh_prompts(run, model, 1, seed)) for t in (t, spare)}
+    timed = [{tuple(e["token_ids"]) for e in d["prompts"]} for d in docs]
+    assert timed[0] <= drawn(seeds[0]) and timed[2] <= drawn(seeds[0]) and not timed[1] & drawn(seeds[0])
+    assert f"--seed {seeds[0]} draws them again" in outputs[0]
+    assert str(seeds[0]) not in outputs[0].split("fresh prompts:")[0]  # not before the legs ran
 
 
 def test_shortened_candidate_legs_pass_replay_but_not_retime(fast_serial_stream, tmp_path):
@@ -179,7 +198,7 @@ def test_the_worker_refuses_to_prepare_a_decoder_that_is_not_an_instrument():
 
 
 @pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids"),
-                                         ("builtin:stdlib-heldout", "other snippets of the heldout split")])
+                                         ("builtin:stdlib-heldout", "snippets of the heldout split")])
 def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path, source, how):
     from audit.retime import fresh_prompts
     from audit.stream import load_run
