@@ -16,8 +16,11 @@ arguments, control, N) and measures again:
   processes the candidate and the control each in a process of its own (``python -m
             harness.worker``), both started cold; the audit launches them by module name and
             imports no decoder or timing code itself. While one side is timed the other is
-            stopped (SIGSTOP to its process group), so neither can load the machine against the
-            other.
+            stopped as a whole process tree (``audit.processes``: its worker's group, every
+            process descended from it in any session, and for the candidate every orphan the
+            audit adopted), so neither can load the machine against the other; a worker that ran
+            processes outside its group gets a ``worker-processes`` warning, and whatever it
+            leaves running is killed at the end.
   clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
@@ -49,7 +52,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,6 +66,7 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
+from audit.processes import ProcessTree, parent_table, set_subreaper, tree_control
 from audit.replay import replay_run
 from audit.report import divergence_findings, finding_lines, fmt_ratio, write_document
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
@@ -262,22 +265,19 @@ class Worker:
 
     def __init__(self, role: str, command: list[str]):
         self.role = role
-        # a session of its own, so that stopping its process group reaches whatever it spawned
+        # a session of its own: stopped as its process group and, through /proc, as its whole tree
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      env=dict(os.environ), start_new_session=True)
+        # orphans go with the candidate: the control is the audit's own decoder, which starts none
+        self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
         self.ready = None
-
-    def signal(self, sig) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:  # already gone: its next read says so
-            pass
+        self.killed_at_close = 0
 
     def pause(self) -> None:
-        self.signal(signal.SIGSTOP)
+        self.tree.stop()
 
     def resume(self) -> None:
-        self.signal(signal.SIGCONT)
+        self.tree.resume()
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -328,6 +328,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.killed_at_close = self.tree.kill_members()
 
 
 def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int]]:
@@ -425,12 +426,16 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, Worker]:
-    """Both sides cold, in processes of their own; the candidate with its recorded arguments."""
+    """Both sides cold, in processes of their own; the candidate with its recorded arguments. The
+    audit's children from before are no one's orphans."""
+    older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
     workers = {}
     try:
         for side in sides:
             log(f"starting the {side.role}'s worker: {side.describe()}")
             workers[side.role] = Worker(side.role, side.command(model_spec, device))
+        for w in workers.values():
+            w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():
             w.wait_ready()
     except BaseException:
@@ -441,6 +446,21 @@ def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, 
 
 
 # --------------------------------------------------------------------------- judging
+
+
+def process_findings(workers: dict[str, Worker]) -> list[dict]:
+    """A warning for each side whose worker ran processes outside its process group, or left any
+    running when it exited: stopped with it all the same, and killed at the end."""
+    out = []
+    for w in workers.values():
+        outside, killed = sorted(w.tree.outside_group), w.killed_at_close
+        if outside or killed:
+            out.append(checks.finding(
+                "worker-processes", "warn", None,
+                f"the {w.role}'s worker ran {len(outside)} process(es) outside its process group, stopped with it "
+                f"whenever the other side was timed; {killed} still ran when it exited and were killed",
+                role=w.role, outside_group=outside, killed_at_close=killed))
+    return out
 
 
 def control_noise(prompts: list[PromptRun]) -> float:
@@ -594,16 +614,24 @@ def retime(opts: RetimeOptions) -> int:
     warmup = min(warmup, n) if checks.is_int(warmup) and warmup >= 0 else min(8, n)
     log(f"retiming {run.header['candidate']['name']} vs {run.header['control']['name']} on {k} fresh prompts "
         f"x {opts.legs} legs, N={n}, {dev}: {how}")
-    workers = start_workers(sides, model_spec, dev)
+    if not tree_control():
+        log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
+    was_reaper = set_subreaper(True)
     try:
-        time_looks(workers, (first_look, second_look), run.prompts, recorded[1], n, opts.legs, warmup, measured,
-                   instrument=instrument)
-    except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
-        findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
+        workers = start_workers(sides, model_spec, dev)
+        try:
+            time_looks(workers, (first_look, second_look), run.prompts, recorded[1], n, opts.legs, warmup, measured,
+                       instrument=instrument)
+        except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
+            findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
+        finally:
+            for w in workers.values():
+                w.close()
     finally:
-        for w in workers.values():
-            w.close()
+        if was_reaper is False:
+            set_subreaper(False)
+    findings += process_findings(workers)
     fresh, timed = [fp for fp, _ in measured.ran], measured.timed
 
     fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})

@@ -2,6 +2,9 @@
 (``--decoder retime_decoders:Precomputed``; a subprocess needs ``PYTHONPATH=tests``)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 from core.prompts import load_prompts
@@ -61,3 +64,91 @@ class PrecomputedUneven(Precomputed):
             if self.seen[key] % 2 == 0:
                 time.sleep(self.spoil_s)
         return super().decode(prompt_ids, max_new_tokens)
+
+
+# The spinner of LoadsTheControl: a process in a session of its own (out of reach of a signal to
+# its worker's process group) that burns a core whenever the process it watches is stopped, which
+# in a retime is while the control is timed, noting each burst in a log. It outlives that process.
+SPINNER = """
+import os, sys, time
+watched, log = int(sys.argv[1]), sys.argv[2]
+if log:
+    with open(log + ".pids", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+gone_since = None
+while True:
+    try:
+        with open(f"/proc/{watched}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except OSError:  # outlives its worker, for whoever comes next (only a minute, to clean up after itself)
+        gone_since = gone_since or time.monotonic()
+        if time.monotonic() - gone_since > 60:
+            break
+        time.sleep(0.1)
+        continue
+    if state in ("T", "t"):
+        end = time.perf_counter() + 0.005
+        while time.perf_counter() < end:
+            pass
+        if log:
+            with open(log, "a") as f:
+                f.write("ran while the worker was stopped\\n")
+    else:
+        time.sleep(0.001)
+"""
+
+
+# Starts SPINNER (its arguments after this one's) and exits at once, so that the spinner is an
+# orphan: re-parented out of the worker's tree, to init or to the nearest reaper of orphans.
+ORPHANING = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+"""
+
+
+def written_pids(log: str) -> list[int]:
+    try:
+        with open(log + ".pids") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def in_retime_worker() -> bool:
+    return sys.argv[0].endswith(os.path.join("harness", "worker.py"))
+
+
+class LoadsTheControl:
+    """Exact (serial decoding underneath, so no faster than the control), but in a retime's worker
+    ``prepare()`` starts one spinner per core (``SPINNER``) that burns the machine whenever the
+    worker is stopped, i.e. while the control is timed: each in a session of its own, which a
+    signal to the worker's process group never reaches, and with ``orphan`` also abandoned, out of
+    the worker's process tree. Each spinner's pid goes to ``log + ".pids"`` and each burst to
+    ``log``. (In ``harness time``'s process it starts nothing: in-process, a thread could slow the
+    control anyway, which is why the retime exists.)"""
+
+    name = "loads-the-control"
+
+    def __init__(self, log: str = "", spinners: int = 0, orphan: bool = False):
+        self.log, self.orphan = log, orphan
+        self.spinners = spinners or os.cpu_count() or 1
+        self.inner = SerialDecoder()
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        if not in_retime_worker():
+            return
+        spinner = [SPINNER, str(os.getpid()), self.log]
+        for _ in range(self.spinners):
+            command = [sys.executable, "-c", ORPHANING, *spinner] if self.orphan else [sys.executable, "-c", *spinner]
+            launched = subprocess.Popen(command, start_new_session=True)
+            if self.orphan:
+                launched.wait()
+        while self.log and len(written_pids(self.log)) < self.spinners:  # each spinner writes its own
+            time.sleep(0.01)
+
+    def config(self) -> dict:
+        return {"log": self.log, "spinners": self.spinners, "orphan": self.orphan}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return self.inner.decode(prompt_ids, max_new_tokens)

@@ -149,6 +149,30 @@ def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_pat
     assert "measured again: fresh-0" in result.stdout
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="process trees are found in /proc (Linux)")
+@pytest.mark.parametrize("orphan", [False, True])
+def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path, orphan):
+    """The plug-in starts spinners that burn the machine whenever its worker is stopped (i.e. while
+    the control is timed), each in a session of its own that a signal to the worker's group misses,
+    and with ``orphan`` abandoned out of the worker's tree. The audit stops them with the worker, so
+    none ever runs while it is stopped; it warns about them and kills them at the end."""
+    from retime_decoders import written_pids
+
+    log = tmp_path / "spun.log"
+    stream = run_harness(tmp_path / "load", "retime_decoders:LoadsTheControl", limit=2, n=N, legs=LEGS,
+                         extra=("--decoder-arg", f"log={log}", "--decoder-arg", f"orphan={orphan}"))
+    result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2")
+    assert result.exit_code in (0, 1), result.output  # its speed is serial's: the verdict is noise's
+    pids = written_pids(str(log))
+    assert len(pids) == (os.cpu_count() or 1)
+    assert not log.exists(), log.read_text()[:200]  # no spinner burst while its worker was stopped
+    (f,) = findings(doc, "worker-processes")
+    assert f["severity"] == "warn" and f["role"] == "candidate"
+    assert sorted(f["outside_group"]) == sorted(pids) and f["killed_at_close"] == len(pids)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # killed and reaped
+    assert "outside its process group" in result.stdout
+
+
 def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
     outdir = tmp_path / "outdir"
     outdir.mkdir()

@@ -1,0 +1,161 @@
+"""The processes behind a retime's worker: found in /proc, stopped and resumed as one, killed at the end.
+
+A worker runs in a session of its own, and the audit stops the side that is not being timed. A
+signal to the worker's process group is not enough: a decoder can start a process in a session
+of its own (``start_new_session``, ``setsid``), which the signal misses, or abandon one, which is
+then re-parented away from the worker. Either could load the machine while the control is timed.
+So the audit makes itself the reaper of its descendants' orphans (Linux
+``prctl(PR_SET_CHILD_SUBREAPER)``), and a side is stopped as a tree: every process descended
+from its worker (for the candidate, also every orphan the audit adopted), leaves first, the
+worker's group last, again until no new process appears. Orphans count as the candidate's: the
+control is the audit's own serial decoder, which starts no process. Where there is no /proc, only
+the worker's process group is stopped, and ``tree_control()`` says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+PROC = Path("/proc")
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+# scans of /proc per stop: each stops what the last one missed (a process forked meanwhile)
+STOP_ROUNDS = 8
+# the most seconds spent reaping killed members that were, or became, the audit's children
+REAP_S = 2.0
+
+
+def tree_control() -> bool:
+    """Whether whole process trees can be found here (a /proc that lists parents)."""
+    return (PROC / "self" / "stat").is_file()
+
+
+def set_subreaper(on: bool) -> bool | None:
+    """Make this process the reaper of its descendants' orphans (or stop being one); returns what it
+    was before, or None where the call is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        before = ctypes.c_int(0)
+        if libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0) != 0:
+            return None
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+            return None
+        return bool(before.value)
+    except (OSError, AttributeError):
+        return None
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def parent_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process /proc lists."""
+    out = {}
+    for entry in os.scandir(PROC):
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
+            if fields is not None and fields[0] != "Z":  # a zombie runs nothing
+                out[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def descendants(roots: set[int], table: dict[int, tuple[int, int]]) -> list[int]:
+    """The processes under ``roots`` (not the roots), parents before their children."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, frontier = [], sorted(roots)
+    while frontier:
+        frontier = [c for p in frontier for c in sorted(children.get(p, ()))]
+        out += frontier
+    return out
+
+
+def send(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):  # gone, or already another's pid
+        pass
+
+
+class ProcessTree:
+    """One worker's processes. ``adopts_orphans``: the audit's adopted orphans are this tree's too.
+    ``outside_group`` collects every process found outside the worker's process group."""
+
+    def __init__(self, pid: int, adopts_orphans: bool):
+        self.pid, self.adopts_orphans = pid, adopts_orphans
+        self.audit_pid = os.getpid()
+        self.not_orphans: set[int] = set()  # the audit's children that are not orphans: the workers, older ones
+        self.stopped: list[int] = []
+        self.seen: set[int] = set()  # every member ever found, to reap the ones that were the audit's
+        self.outside_group: set[int] = set()
+
+    def members(self, table: dict[int, tuple[int, int]]) -> list[int]:
+        """The worker's descendants (and adopted orphans with theirs), parents first; not the worker."""
+        roots = {self.pid}
+        if self.adopts_orphans:
+            roots |= {pid for pid, (ppid, _) in table.items()
+                      if ppid == self.audit_pid and pid not in self.not_orphans and pid != self.pid}
+        out = [pid for pid in roots - {self.pid} if pid in table]
+        return out + [pid for pid in descendants(roots, table) if pid not in out]
+
+    def stop(self) -> None:
+        """SIGSTOP to every member, leaves first, then to the worker's group; again while new ones
+        appear. Without /proc, the group alone."""
+        stopped: set[int] = set()
+        for _ in range(STOP_ROUNDS if tree_control() else 0):
+            table = parent_table()
+            new = [pid for pid in self.members(table) if pid not in stopped]
+            if not new:
+                break
+            for pid in reversed(new):
+                send(pid, signal.SIGSTOP)
+            stopped.update(new)
+            self.seen.update(new)
+            self.outside_group.update(pid for pid in new if table[pid][1] != self.pid)
+            self.stopped += new
+        try:
+            os.killpg(self.pid, signal.SIGSTOP)
+        except ProcessLookupError:  # the worker is gone: its next read says so
+            pass
+
+    def resume(self) -> None:
+        """SIGCONT to the worker's group, then to every process ``stop`` stopped, parents first."""
+        try:
+            os.killpg(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        for pid in self.stopped:
+            send(pid, signal.SIGCONT)
+        self.stopped = []
+
+    def kill_members(self) -> int:
+        """SIGKILL to every member still running (once the worker has exited), then reap those that
+        were, or have become, the audit's children; returns how many were killed."""
+        if not tree_control():
+            return 0
+        members = self.members(parent_table())
+        for pid in members:
+            send(pid, signal.SIGKILL)
+        self.seen.update(members)
+        deadline = time.monotonic() + REAP_S
+        left = set(self.seen)
+        while left and time.monotonic() < deadline:
+            for pid in list(left):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        left.discard(pid)
+                except ChildProcessError:  # not the audit's child: gone, someone else's, or its parent dying
+                    fields = stat_fields(pid)
+                    if fields is None or int(fields[1]) not in left | {self.audit_pid}:
+                        left.discard(pid)
+            time.sleep(0.01)
+        return len(members)
