@@ -9,7 +9,8 @@ So the audit makes itself the reaper of its descendants' orphans (Linux
 from its worker (for the candidate, also every orphan the audit adopted), leaves first, the
 worker's group last, again until no new process appears. Orphans count as the candidate's: the
 control is the audit's own serial decoder, which starts no process. Where there is no /proc, only
-the worker's process group is stopped, and ``tree_control()`` says so.
+the worker's process group is stopped, and ``tree_control()`` says so. Out of reach: a process
+that is not the audit's descendant (started before the retime, or by a service manager).
 """
 from __future__ import annotations
 
