@@ -32,9 +32,9 @@ arguments, control, N) and measures again:
             way: a spare is as fresh as the prompt it replaces, and its first leg is timed alike.
   second    a first look whose median ratio falls short (below) is followed by a second look
   look      at as many fresh prompts (and spares), drawn with the others, and the judgment is
-            on all of them; retime.json says so under ``second_look``. Noise that
-            sank one look rarely sinks both, while a decoder slower than its claim is as slow on
-            the second look's fresh prompts as on the first's.
+            on all of them; retime.json says so under ``second_look``. Noise that sank one look
+            rarely sinks both, while a decoder slower than its claim is as slow on the second
+            look's fresh prompts as on the first's.
   tokens    every retimed leg is replayed through the audit's pristine serial path.
 
 Finding ``ratio-not-reproduced`` (fail) when the retimed median ratio falls short of the
@@ -86,6 +86,7 @@ SNIPPET_TRIES = 64
 # a fresh snippet may not begin with the first this many tokens of one of the stream's prompts
 HELD_START_TOKENS = 8
 WORKER_MODULE = "harness.worker"
+# a retime's secret seed: any integer of this many bits (what --seed takes back)
 SEED_BITS = 63
 # seconds a worker may take to exit after its stdin closes, before it is killed
 WORKER_EXIT_S = 30
@@ -522,7 +523,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "legs": legs,
         "verdict": "fail" if failed else "pass",
         "recorded_median_ratio": recorded_median,
-        "retimed_median_ratio": checks.median_ratio(list(ratios.values())),
+        "retimed_median_ratio": retimed_median(timed),
         # the control's leg spread, median over prompts: the retime's, the stream's, the one used
         "noise": noise,
         "tolerance": tolerance(noise["used"]),
