@@ -9,8 +9,10 @@ So the audit makes itself the reaper of its descendants' orphans (Linux
 from its worker (for the candidate, also every orphan the audit adopted), leaves first, the
 worker's group last, again until no new process appears. Orphans count as the candidate's: the
 control is the audit's own serial decoder, which starts no process. Where there is no /proc, only
-the worker's process group is stopped, and ``tree_control()`` says so. Out of reach: a process
-that is not the audit's descendant (started before the retime, or by a service manager).
+the worker's process group is stopped, and ``tree_control()`` says so. A process that is not the
+audit's descendant (started before the retime, or by a service manager) is out of its reach; what
+such a process does is seen in ``cpu_sample``: the CPU time the machine spent on work other than
+the timed worker's, during a leg.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 STOP_ROUNDS = 8
 # the most seconds spent reaping killed members that were, or became, the audit's children
 REAP_S = 2.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# /proc/stat's busy columns after "cpu": user, nice, system, (idle, iowait), irq, softirq
+BUSY_COLUMNS = (0, 1, 2, 5, 6)
 
 
 def tree_control() -> bool:
@@ -160,3 +165,43 @@ class ProcessTree:
                         left.discard(pid)
             time.sleep(0.01)
         return len(members)
+
+
+def busy_ticks() -> int | None:
+    """Clock ticks the whole machine (all CPUs) has spent busy, from /proc/stat; None without it."""
+    try:
+        with open(PROC / "stat") as f:
+            columns = f.readline().split()[1:]
+    except OSError:
+        return None
+    return sum(int(columns[i]) for i in BUSY_COLUMNS)
+
+
+def tree_ticks(tree: ProcessTree) -> int:
+    """Clock ticks of CPU time of a worker (with the children it reaped) and of every process now
+    in its tree."""
+    table = parent_table()
+    total = 0
+    for pid in [tree.pid] + tree.members(table):
+        fields = stat_fields(pid)
+        if fields is None:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+        if pid == tree.pid:
+            total += int(fields[13]) + int(fields[14])  # cutime, cstime: its children that exited
+    return total
+
+
+def cpu_sample(tree: ProcessTree | None) -> tuple[int, int] | None:
+    """(machine busy ticks, ``tree``'s ticks); two of them, around a leg, give ``others_seconds``.
+    None without /proc or without a tree."""
+    busy = busy_ticks() if tree is not None and tree_control() else None
+    return None if busy is None else (busy, tree_ticks(tree))
+
+
+def others_seconds(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """CPU seconds the machine spent between two samples on work other than the sampled tree's
+    (clock-tick resolution: about 10 ms a sample on most systems)."""
+    if before is None or after is None:
+        return None
+    return max(0, (after[0] - before[0]) - (after[1] - before[1])) / CLOCK_TICKS

@@ -21,6 +21,11 @@ arguments, control, N) and measures again:
             audit adopted), so neither can load the machine against the other; a worker that ran
             processes outside its group gets a ``worker-processes`` warning, and whatever it
             leaves running is killed at the end.
+  load      around every leg, the CPU the machine spent on work other than the timed worker's
+            tree (``audit.processes.cpu_sample``): a prompt whose control legs saw more of it
+            than its candidate legs (``loaded_against_control``) is measured again on its
+            spare; more than half of the judged prompts so loaded fail the retime
+            (``load-against-control``): a process out of the audit's reach slowed the control.
   clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
@@ -66,7 +71,8 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
-from audit.processes import ProcessTree, parent_table, set_subreaper, tree_control
+from audit.processes import (ProcessTree, cpu_sample, others_seconds, parent_table, set_subreaper,
+                             tree_control)
 from audit.replay import replay_run
 from audit.report import divergence_findings, finding_lines, fmt_ratio, write_document
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
@@ -86,6 +92,11 @@ SNIPPET_TRIES = 64
 # a fresh snippet may not begin with the first this many tokens of one of the stream's prompts
 HELD_START_TOKENS = 8
 WORKER_MODULE = "harness.worker"
+# other work's CPU while a side is timed, in cores: a prompt whose control legs saw LOAD_GAP cores
+# more of it than its candidate legs, and LOAD_SHARE more than the candidate's again, ran its
+# control on a machine loaded against it (a process the audit cannot stop, or chance)
+LOAD_GAP = 0.5
+LOAD_SHARE = 0.5
 # a retime's secret seed: any integer of this many bits (what --seed takes back)
 SEED_BITS = 63
 # seconds a worker may take to exit after its stdin closes, before it is killed
@@ -332,19 +343,23 @@ class Worker:
         self.killed_at_close = self.tree.kill_members()
 
 
-def request(workers: dict[str, Worker], role: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int]]:
-    """(t_start, t_end, tokens): the audit's clock around one request to ``role`` and its answer,
-    the other side stopped meanwhile."""
-    other = workers[checks.other_role(role)]
+def request(workers: dict[str, Worker], role: str, prompt_ids: list[int],
+            max_new_tokens: int) -> tuple[float, float, list[int], float | None]:
+    """(t_start, t_end, tokens, others): the audit's clock around one request to ``role`` and its
+    answer, the other side stopped meanwhile; ``others`` the CPU seconds the machine spent meanwhile
+    on work not ``role``'s (None where that cannot be measured)."""
+    other, timed = workers[checks.other_role(role)], workers[role]
     other.pause()
     try:
+        before = cpu_sample(timed.tree)
         t0 = time.perf_counter()
-        workers[role].send(prompt_ids, max_new_tokens)
-        tokens = workers[role].tokens()
+        timed.send(prompt_ids, max_new_tokens)
+        tokens = timed.tokens()
         t1 = time.perf_counter()
+        after = cpu_sample(timed.tree)
     finally:
         other.resume()
-    return t0, t1, tokens
+    return t0, t1, tokens, others_seconds(before, after)
 
 
 @dataclass
@@ -390,13 +405,15 @@ def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_t
         ratio = checks.prompt_medians(p)["ratio"]
         log(f"retime [{n}/{done + len(prompts)}] {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): "
             f"ratio {fmt_ratio(ratio)}")
-        if checks.is_unstable(p) and fp.spare is not None:
+        unstable, loaded = checks.is_unstable(p), loaded_against_control(p)
+        if (unstable or loaded) and fp.spare is not None:
             spread = checks.prompt_spreads(p)
+            reason = ("legs unstable (" + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
+                      + ")") if unstable else describe_load(others_load(p))
             out.remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors, "ratio": ratio,
-                                   "leg_spread": spread, "walls": leg_walls(p)})
-            log(f"retime [{n}/{done + len(prompts)}] {fp.id}: legs unstable ("
-                + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
-                + f"), measured again on its spare {fp.spare.id}")
+                                   "reason": reason, "leg_spread": spread, "others_load": others_load(p),
+                                   "walls": leg_walls(p)})
+            log(f"retime [{n}/{done + len(prompts)}] {fp.id}: {reason}, measured again on its spare {fp.spare.id}")
             fp = fp.spare
             p = time_prompt(workers, fp, max_new_tokens, legs, warmup_tokens, instrument, origin)
             log(f"retime [{n}/{done + len(prompts)}] {fp.id}: ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
@@ -416,9 +433,10 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(legs)):
-            t0, t1, tokens = request(workers, role, fp.token_ids, max_new_tokens)
+            t0, t1, tokens, others = request(workers, role, fp.token_ids, max_new_tokens)
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
-                           "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens})
+                           "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens,
+                           "others_cpu_s": others})
             seen[role] += 1
     except WorkerError as exc:
         exc.prompt_id = fp.id
@@ -447,6 +465,47 @@ def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, 
 
 
 # --------------------------------------------------------------------------- judging
+
+
+def others_load(p: PromptRun) -> dict[str, float | None]:
+    """Per side, the CPU that other work took while its legs were timed, in cores (seconds of CPU
+    over seconds of wall time); None where it was not measured."""
+    out = {}
+    for role in ROLES:
+        legs = p.role_legs(role)
+        cpu, wall = [r.get("others_cpu_s") for r in legs], sum(r["wall_s"] for r in legs)
+        out[role] = None if not legs or None in cpu or wall <= 0 else sum(cpu) / wall
+    return out
+
+
+def loaded_against_control(p: PromptRun) -> bool:
+    """Other work took LOAD_GAP cores more while the control was timed than while the candidate
+    was, and LOAD_SHARE more than the candidate's again: the control ran on a machine loaded
+    against it."""
+    load = others_load(p)
+    control, candidate = load["control"], load["candidate"]
+    return control is not None and candidate is not None and control - candidate > max(LOAD_GAP, LOAD_SHARE * candidate)
+
+
+def describe_load(load: dict[str, float | None]) -> str:
+    return (f"other work took {load['control']:.2f} cores while the control was timed, "
+            f"{load['candidate']:.2f} while the candidate was")
+
+
+def load_findings(timed: list[PromptRun]) -> list[dict]:
+    """``load-against-control`` (fail) when more than half of the judged prompts ran their control on
+    a machine loaded against it (``loaded_against_control``), even after their spares: work that is
+    not the control's slowed it, which inflates the ratio; ``machine-load`` (warn) for a minority."""
+    loaded = [p for p in timed if loaded_against_control(p)]
+    if not loaded:
+        return []
+    if 2 * len(loaded) > len(timed):
+        return [checks.finding("load-against-control", "fail", None,
+                               f"{len(loaded)} of {len(timed)} prompts: {describe_load(others_load(loaded[0]))} "
+                               f"(first of them, {loaded[0].id}): the control was slowed by work that is not its own",
+                               prompts=[p.id for p in loaded])]
+    return [checks.finding("machine-load", "warn", p.id, describe_load(others_load(p)) + ": this prompt's ratio "
+                           "is inflated by work that is not the control's") for p in loaded]
 
 
 def process_findings(workers: dict[str, Worker]) -> list[dict]:
@@ -531,7 +590,7 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "recorded": [{"id": p.id, "ratio": per_recorded[p.id]["ratio"]} for p in run.prompts],
         "prompts": [{"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
                      "recorded_ratio": per_recorded[fp.mirrors]["ratio"], "ratio": ratios[p.id],
-                     "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p),
+                     "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p), "others_load": others_load(p),
                      "walls": leg_walls(p), "token_ids": fp.token_ids}
                     for fp, p in zip(fresh, timed)],
         # prompts whose legs were unstable, each replaced by its spare (their ratios count nowhere)
@@ -562,8 +621,7 @@ def render_table(doc: dict) -> str:
     lines.insert(1, "-" * max(len(x) for x in lines))
     lines.append(f"fresh prompts: {doc['fresh_prompts']}; seed {doc['seed']} (--seed {doc['seed']} draws them again)")
     for e in doc["remeasured"]:
-        lines.append(f"measured again: {e['id']} (legs differ by {widest_spread(e['leg_spread']):.0%}, "
-                     f"ratio {fmt_ratio(e['ratio'])}) "
+        lines.append(f"measured again: {e['id']} ({e['reason']}; ratio {fmt_ratio(e['ratio'])}) "
                      f"replaced by {e['replaced_by']}")
     look = doc.get("second_look")
     if look:
@@ -642,6 +700,7 @@ def retime(opts: RetimeOptions) -> int:
     for p in timed:
         findings += checks.check_control_consistency(p)
         findings += checks.check_leg_spread(p)
+    findings += load_findings(timed)
     findings += judge(run.prompts, recorded[1], timed)
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,

@@ -152,3 +152,68 @@ class LoadsTheControl:
 
     def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
         return self.inner.decode(prompt_ids, max_new_tokens)
+
+
+# The spinner of LoadsTheControlFromOutside: started by `harness time`'s run of the decoder, it
+# outlives that run, finds the candidate's worker of a later retime by its command line, and burns
+# a core whenever that worker is stopped. It is not the audit's descendant: no stop reaches it. It
+# exits after LIFETIME seconds, or once a worker it found is gone.
+OUTSIDER = """
+import os, sys, time
+needle, pids, lifetime = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
+with open(pids, "a") as f:
+    f.write(f"{os.getpid()}\\n")
+start, watched = time.monotonic(), None
+while time.monotonic() - start < lifetime:
+    if watched is None:
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"-m\\x00harness.worker\\x00" in cmd and needle in cmd:  # a worker, not another spinner
+                watched = entry
+                break
+        time.sleep(0.01)
+        continue
+    try:
+        with open(f"/proc/{watched}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        break
+    if state in ("T", "t"):
+        end = time.perf_counter() + 0.005
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(0.001)
+"""
+
+
+class LoadsTheControlFromOutside:
+    """Exact (serial decoding underneath), but its run in ``harness time`` leaves one spinner per
+    core behind (``OUTSIDER``, orphaned, so not the retime's descendant) that burns the machine
+    whenever a later retime's candidate worker is stopped, i.e. while the control is timed. Each
+    spinner's pid goes to ``pids``."""
+
+    name = "loads-the-control-from-outside"
+
+    def __init__(self, pids: str = "", spinners: int = 0, lifetime: float = 300.0):
+        self.pids, self.lifetime = pids, lifetime
+        self.spinners = spinners or os.cpu_count() or 1
+        self.inner = SerialDecoder()
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        if in_retime_worker():
+            return
+        outsider = [OUTSIDER, type(self).__name__, self.pids, str(self.lifetime)]
+        for _ in range(self.spinners):
+            subprocess.Popen([sys.executable, "-c", ORPHANING, *outsider], start_new_session=True).wait()
+
+    def config(self) -> dict:
+        return {"pids": self.pids, "spinners": self.spinners, "lifetime": self.lifetime}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return self.inner.decode(prompt_ids, max_new_tokens)
