@@ -11,8 +11,8 @@ worker's group last, again until no new process appears. Orphans count as the ca
 control is the audit's own serial decoder, which starts no process. Where there is no /proc, only
 the worker's process group is stopped, and ``tree_control()`` says so. A process that is not the
 audit's descendant (started before the retime, or by a service manager) is out of its reach; what
-such a process does is seen in ``cpu_sample``: the CPU time the machine spent on work other than
-the timed worker's, during a leg.
+it does is seen in ``cpu_sample``: around a leg, the CPU time the machine spent on work other than
+the timed worker's, and the time the worker's threads waited for a CPU.
 """
 from __future__ import annotations
 
@@ -177,31 +177,56 @@ def busy_ticks() -> int | None:
     return sum(int(columns[i]) for i in BUSY_COLUMNS)
 
 
-def tree_ticks(tree: ProcessTree) -> int:
-    """Clock ticks of CPU time of a worker (with the children it reaped) and of every process now
-    in its tree."""
-    table = parent_table()
+def tree_ticks(pids: list[int], worker: int) -> int:
+    """Clock ticks of CPU time of ``pids``, the worker's with the children it reaped."""
     total = 0
-    for pid in [tree.pid] + tree.members(table):
+    for pid in pids:
         fields = stat_fields(pid)
         if fields is None:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
-        if pid == tree.pid:
+        if pid == worker:
             total += int(fields[13]) + int(fields[14])  # cutime, cstime: its children that exited
     return total
 
 
-def cpu_sample(tree: ProcessTree | None) -> tuple[int, int] | None:
-    """(machine busy ticks, ``tree``'s ticks); two of them, around a leg, give ``others_seconds``.
-    None without /proc or without a tree."""
-    busy = busy_ticks() if tree is not None and tree_control() else None
-    return None if busy is None else (busy, tree_ticks(tree))
-
-
-def others_seconds(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """CPU seconds the machine spent between two samples on work other than the sampled tree's
-    (clock-tick resolution: about 10 ms a sample on most systems)."""
-    if before is None or after is None:
+def wait_ns(pids: list[int]) -> int | None:
+    """Nanoseconds the threads of ``pids`` have spent runnable but waiting for a CPU
+    (/proc/PID/task/TID/schedstat, second field): what other work took from them. None where the
+    kernel keeps no such count."""
+    if not (PROC / "self" / "schedstat").is_file():
         return None
-    return max(0, (after[0] - before[0]) - (after[1] - before[1])) / CLOCK_TICKS
+    total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(PROC / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                total += int((PROC / str(pid) / "task" / tid / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
+
+
+def cpu_sample(tree: ProcessTree | None) -> tuple[int, int, int | None] | None:
+    """(machine busy ticks, ``tree``'s ticks, ``tree``'s wait in ns); two of them, around a leg,
+    give ``leg_cpu``. None without /proc or without a tree."""
+    busy = busy_ticks() if tree is not None and tree_control() else None
+    if busy is None:
+        return None
+    pids = [tree.pid] + tree.members(parent_table())
+    return busy, tree_ticks(pids, tree.pid), wait_ns(pids)
+
+
+def leg_cpu(before: tuple[int, int, int | None] | None,
+            after: tuple[int, int, int | None] | None) -> dict[str, float | None]:
+    """Between two samples of the timed side: ``others_cpu_s``, the CPU seconds the machine spent on
+    work other than its tree's (clock-tick resolution, about 10 ms a sample on most systems), and
+    ``waited_s``, the seconds its threads waited for a CPU (None each where not measured)."""
+    if before is None or after is None:
+        return {"others_cpu_s": None, "waited_s": None}
+    others = max(0, (after[0] - before[0]) - (after[1] - before[1])) / CLOCK_TICKS
+    waited = None if before[2] is None or after[2] is None else max(0, after[2] - before[2]) / 1e9
+    return {"others_cpu_s": others, "waited_s": waited}

@@ -21,11 +21,12 @@ arguments, control, N) and measures again:
             audit adopted), so neither can load the machine against the other; a worker that ran
             processes outside its group gets a ``worker-processes`` warning, and whatever it
             leaves running is killed at the end.
-  load      around every leg, the CPU the machine spent on work other than the timed worker's
-            tree (``audit.processes.cpu_sample``): a prompt whose control legs saw more of it
-            than its candidate legs (``loaded_against_control``) is measured again on its
-            spare; more than half of the judged prompts so loaded fail the retime
-            (``load-against-control``): a process out of the audit's reach slowed the control.
+  load      around every leg, how long the timed worker's threads waited for a CPU, and the
+            CPU the machine spent on other work (``audit.processes.cpu_sample``): a prompt
+            whose control waited WAIT_GAP more of its time than its candidate did
+            (``loaded_against_control``) is measured again on its spare; more than half of the
+            judged prompts so loaded fail the retime (``load-against-control``): work out of the
+            audit's reach slowed the control.
   clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
@@ -71,8 +72,7 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
-from audit.processes import (ProcessTree, cpu_sample, others_seconds, parent_table, set_subreaper,
-                             tree_control)
+from audit.processes import ProcessTree, cpu_sample, leg_cpu, parent_table, set_subreaper, tree_control
 from audit.replay import replay_run
 from audit.report import divergence_findings, finding_lines, fmt_ratio, write_document
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
@@ -92,11 +92,9 @@ SNIPPET_TRIES = 64
 # a fresh snippet may not begin with the first this many tokens of one of the stream's prompts
 HELD_START_TOKENS = 8
 WORKER_MODULE = "harness.worker"
-# other work's CPU while a side is timed, in cores: a prompt whose control legs saw LOAD_GAP cores
-# more of it than its candidate legs, and LOAD_SHARE more than the candidate's again, ran its
-# control on a machine loaded against it (a process the audit cannot stop, or chance)
-LOAD_GAP = 0.5
-LOAD_SHARE = 0.5
+# a prompt whose control waited for a CPU for this much more of its legs' time than its candidate
+# did ran its control on a machine loaded against it (a process the audit cannot stop, or chance)
+WAIT_GAP = 0.1
 # a retime's secret seed: any integer of this many bits (what --seed takes back)
 SEED_BITS = 63
 # seconds a worker may take to exit after its stdin closes, before it is killed
@@ -344,10 +342,10 @@ class Worker:
 
 
 def request(workers: dict[str, Worker], role: str, prompt_ids: list[int],
-            max_new_tokens: int) -> tuple[float, float, list[int], float | None]:
-    """(t_start, t_end, tokens, others): the audit's clock around one request to ``role`` and its
-    answer, the other side stopped meanwhile; ``others`` the CPU seconds the machine spent meanwhile
-    on work not ``role``'s (None where that cannot be measured)."""
+            max_new_tokens: int) -> tuple[float, float, list[int], dict]:
+    """(t_start, t_end, tokens, cpu): the audit's clock around one request to ``role`` and its
+    answer, the other side stopped meanwhile; ``cpu`` what other work took meanwhile
+    (``audit.processes.leg_cpu``)."""
     other, timed = workers[checks.other_role(role)], workers[role]
     other.pause()
     try:
@@ -359,7 +357,7 @@ def request(workers: dict[str, Worker], role: str, prompt_ids: list[int],
         after = cpu_sample(timed.tree)
     finally:
         other.resume()
-    return t0, t1, tokens, others_seconds(before, after)
+    return t0, t1, tokens, leg_cpu(before, after)
 
 
 @dataclass
@@ -409,9 +407,10 @@ def time_fresh(workers: dict[str, Worker], prompts: list[FreshPrompt], max_new_t
         if (unstable or loaded) and fp.spare is not None:
             spread = checks.prompt_spreads(p)
             reason = ("legs unstable (" + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None)
-                      + ")") if unstable else describe_load(others_load(p))
+                      + ")") if unstable else describe_load(p)
             out.remeasured.append({"id": fp.id, "replaced_by": fp.spare.id, "mirrors": fp.mirrors, "ratio": ratio,
-                                   "reason": reason, "leg_spread": spread, "others_load": others_load(p),
+                                   "reason": reason, "leg_spread": spread, "waited": waited(p),
+                                   "others_load": others_load(p),
                                    "walls": leg_walls(p)})
             log(f"retime [{n}/{done + len(prompts)}] {fp.id}: {reason}, measured again on its spare {fp.spare.id}")
             fp = fp.spare
@@ -433,10 +432,10 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(legs)):
-            t0, t1, tokens, others = request(workers, role, fp.token_ids, max_new_tokens)
+            t0, t1, tokens, cpu = request(workers, role, fp.token_ids, max_new_tokens)
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
                            "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens,
-                           "others_cpu_s": others})
+                           **cpu})
             seen[role] += 1
     except WorkerError as exc:
         exc.prompt_id = fp.id
@@ -467,29 +466,39 @@ def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, 
 # --------------------------------------------------------------------------- judging
 
 
-def others_load(p: PromptRun) -> dict[str, float | None]:
-    """Per side, the CPU that other work took while its legs were timed, in cores (seconds of CPU
-    over seconds of wall time); None where it was not measured."""
+def leg_shares(p: PromptRun, key: str) -> dict[str, float | None]:
+    """Per side, a per-leg measure (``others_cpu_s``, ``waited_s``) summed over its legs, over their
+    wall time; None where it was not measured."""
     out = {}
     for role in ROLES:
         legs = p.role_legs(role)
-        cpu, wall = [r.get("others_cpu_s") for r in legs], sum(r["wall_s"] for r in legs)
-        out[role] = None if not legs or None in cpu or wall <= 0 else sum(cpu) / wall
+        values, wall = [r.get(key) for r in legs], sum(r["wall_s"] for r in legs)
+        out[role] = None if not legs or None in values or wall <= 0 else sum(values) / wall
     return out
 
 
+def others_load(p: PromptRun) -> dict[str, float | None]:
+    """Per side, the CPU that other work took while its legs were timed, in cores."""
+    return leg_shares(p, "others_cpu_s")
+
+
+def waited(p: PromptRun) -> dict[str, float | None]:
+    """Per side, the share of its legs' time its threads spent waiting for a CPU."""
+    return leg_shares(p, "waited_s")
+
+
 def loaded_against_control(p: PromptRun) -> bool:
-    """Other work took LOAD_GAP cores more while the control was timed than while the candidate
-    was, and LOAD_SHARE more than the candidate's again: the control ran on a machine loaded
-    against it."""
-    load = others_load(p)
-    control, candidate = load["control"], load["candidate"]
-    return control is not None and candidate is not None and control - candidate > max(LOAD_GAP, LOAD_SHARE * candidate)
+    """The control waited for a CPU for WAIT_GAP more of its legs' time than the candidate did:
+    other work took the machine from it, and its time, so the ratio, grew by that much."""
+    share = waited(p)
+    control, candidate = share["control"], share["candidate"]
+    return control is not None and candidate is not None and control - candidate > WAIT_GAP
 
 
-def describe_load(load: dict[str, float | None]) -> str:
-    return (f"other work took {load['control']:.2f} cores while the control was timed, "
-            f"{load['candidate']:.2f} while the candidate was")
+def describe_load(p: PromptRun) -> str:
+    share, load = waited(p), others_load(p)
+    return (f"the control waited for a CPU {share['control']:.0%} of its legs' time, the candidate "
+            f"{share['candidate']:.0%} (other work: {load['control']:.2f} and {load['candidate']:.2f} cores)")
 
 
 def load_findings(timed: list[PromptRun]) -> list[dict]:
@@ -501,10 +510,10 @@ def load_findings(timed: list[PromptRun]) -> list[dict]:
         return []
     if 2 * len(loaded) > len(timed):
         return [checks.finding("load-against-control", "fail", None,
-                               f"{len(loaded)} of {len(timed)} prompts: {describe_load(others_load(loaded[0]))} "
+                               f"{len(loaded)} of {len(timed)} prompts: {describe_load(loaded[0])} "
                                f"(first of them, {loaded[0].id}): the control was slowed by work that is not its own",
                                prompts=[p.id for p in loaded])]
-    return [checks.finding("machine-load", "warn", p.id, describe_load(others_load(p)) + ": this prompt's ratio "
+    return [checks.finding("machine-load", "warn", p.id, describe_load(p) + ": this prompt's ratio "
                            "is inflated by work that is not the control's") for p in loaded]
 
 
@@ -590,7 +599,8 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "recorded": [{"id": p.id, "ratio": per_recorded[p.id]["ratio"]} for p in run.prompts],
         "prompts": [{"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
                      "recorded_ratio": per_recorded[fp.mirrors]["ratio"], "ratio": ratios[p.id],
-                     "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p), "others_load": others_load(p),
+                     "exact": exact[p.id], "leg_spread": checks.prompt_spreads(p), "waited": waited(p),
+                     "others_load": others_load(p),
                      "walls": leg_walls(p), "token_ids": fp.token_ids}
                     for fp, p in zip(fresh, timed)],
         # prompts whose legs were unstable, each replaced by its spare (their ratios count nowhere)

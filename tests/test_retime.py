@@ -56,7 +56,7 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     assert doc["candidate"]["name"] == decoder and doc["kind"] == "retime"
     looks = 2 if doc["second_look"] else 1
     assert len(doc["prompts"]) == looks * prompts and all(e["exact"] for e in doc["prompts"])
-    assert all(set(e["others_load"]) == {"control", "candidate"} for e in doc["prompts"])  # other work's CPU
+    assert all(set(e["waited"]) == set(e["others_load"]) == {"control", "candidate"} for e in doc["prompts"])
     held = {tuple(r["token_ids"]) for r in map(json.loads, stream.read_text().splitlines())
             if r["type"] == "prompt"}
     by_id = {json.loads(line)["id"]: json.loads(line) for line in stream.read_text().splitlines()
@@ -174,33 +174,45 @@ def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path
     assert "outside its process group" in result.stdout
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="CPU time is read from /proc (Linux)")
-def test_load_on_the_control_from_a_process_out_of_reach_is_caught(tmp_path):
+@pytest.mark.skipif(not Path("/proc/self/schedstat").is_file(), reason="waiting for a CPU is read from /proc (Linux)")
+def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(tmp_path):
     """The plug-in's run in ``harness time`` leaves spinners behind, out of the retime's process
     tree, that burn the machine whenever the retime's candidate worker is stopped. The audit cannot
-    stop them, but it measures other work's CPU during every leg: each prompt is measured again on
-    its spare, and the retime fails (``load-against-control``)."""
+    stop them, but it measures how long each side waited for a CPU during every leg: a prompt whose
+    control waited WAIT_GAP more than its candidate is measured again on its spare, and the retime
+    fails (``load-against-control``) exactly when most judged prompts are still so loaded. (The
+    spinners miss some legs, so how many prompts they load varies from run to run.)"""
     import signal
 
+    from audit.retime import WAIT_GAP
+    from core.schema import LEG_SPREAD_LIMIT
     from retime_decoders import written_pids
+
+    def loaded(e):
+        return e["waited"]["control"] - e["waited"]["candidate"] > WAIT_GAP
 
     pids = tmp_path / "outsiders"
     try:
         stream = run_harness(tmp_path / "outside", "retime_decoders:LoadsTheControlFromOutside", limit=2, n=N,
                              legs=LEGS, extra=("--decoder-arg", f"pids={pids}"))
         result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2")
-        assert result.exit_code == 1, result.output
-        (f,) = findings(doc, "load-against-control")
-        assert f["severity"] == "fail" and set(f["prompts"]) == {e["id"] for e in doc["prompts"]}
-        assert [e["id"] for e in doc["remeasured"]][:2] == ["fresh-0", "fresh-1"]
-        assert all(e["others_load"]["control"] > e["others_load"]["candidate"] + 0.5 for e in doc["prompts"])
-        assert "load-against-control" in result.stdout
     finally:
         for pid in written_pids(str(pids)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    assert result.exit_code in (0, 1), result.output
+    measured = doc["prompts"] + doc["remeasured"]
+    assert any(e["waited"]["control"] > 0.2 for e in measured), result.output  # the spinners took the CPU
+    for e in doc["remeasured"]:  # measured again for its load when its legs were steady
+        steady = all(x is None or x <= LEG_SPREAD_LIMIT for x in e["leg_spread"].values())
+        assert e["reason"].startswith("the control waited for a CPU") == (loaded(e) and steady)
+    judged = [e["id"] for e in doc["prompts"] if loaded(e)]
+    caught = findings(doc, "load-against-control")
+    assert bool(caught) == (2 * len(judged) > len(doc["prompts"])), result.output
+    if caught:
+        assert caught[0]["prompts"] == judged and result.exit_code == 1
 
 
 def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
