@@ -1,5 +1,9 @@
-"""A plug-in decoder that games in-process timing and only ``audit retime`` catches
-(``--decoder retime_decoders:Precomputed``; a subprocess needs ``PYTHONPATH=tests``)."""
+"""Plug-in decoders that game timing, for ``audit retime``'s tests (``--decoder
+retime_decoders:NAME``; a subprocess needs ``PYTHONPATH=tests``): ``Precomputed`` and
+``PrecomputedUneven`` answer the built-in prompts from a table made in ``prepare()``;
+``LoadsTheControl`` and ``LoadsTheControlFromOutside`` leave processes that burn the machine while
+the control is timed, in the worker's tree but out of its process group, or out of the audit's
+reach."""
 from __future__ import annotations
 
 import os
@@ -80,7 +84,7 @@ while True:
     try:
         with open(f"/proc/{watched}/stat") as f:
             state = f.read().rpartition(")")[2].split()[0]
-    except OSError:  # outlives its worker, for whoever comes next (only a minute, to clean up after itself)
+    except OSError:  # outlives its worker, so that only the audit's kill ends it (or a minute, if none comes)
         gone_since = gone_since or time.monotonic()
         if time.monotonic() - gone_since > 60:
             break
