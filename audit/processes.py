@@ -116,15 +116,13 @@ class ProcessTree:
     def stop(self) -> None:
         """SIGSTOP to every member, leaves first, then to the worker's group; again while new ones
         appear. Without /proc, the group alone."""
-        stopped: set[int] = set()
         for _ in range(STOP_ROUNDS if tree_control() else 0):
             table = parent_table()
-            new = [pid for pid in self.members(table) if pid not in stopped]
+            new = [pid for pid in self.members(table) if pid not in self.stopped]
             if not new:
                 break
             for pid in reversed(new):
                 send(pid, signal.SIGSTOP)
-            stopped.update(new)
             self.seen.update(new)
             self.outside_group.update(pid for pid in new if table[pid][1] != self.pid)
             self.stopped += new
