@@ -12,13 +12,19 @@ control is the audit's own serial decoder, which starts no process. Where there 
 the worker's process group is stopped, and ``tree_control()`` says so. A process that is not the
 audit's descendant (started before the retime, or by a service manager) is out of its reach; what
 it does is seen in ``cpu_sample``: around a leg, the CPU time the machine spent on work other than
-the timed worker's, and the time the worker's threads waited for a CPU.
+the timed worker's, and the time the worker's threads waited for a CPU. Work such a process puts on
+a GPU takes little CPU, so ``GpuWatch`` asks the driver, all through a GPU retime, which processes
+hold a GPU context, and keeps those that are neither the audit nor its descendants.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +37,11 @@ REAP_S = 2.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # /proc/stat's busy columns after "cpu": user, nice, system, (idle, iowait), irq, softirq
 BUSY_COLUMNS = (0, 1, 2, 5, 6)
+# seconds between two questions to the GPU driver: a context that lives this long is seen; each
+# question costs nvidia-smi's start, tens of ms of CPU that count as other work on both sides alike
+GPU_POLL_S = 1.0
+GPU_QUERY = ["nvidia-smi", "--query-compute-apps=pid,process_name", "--format=csv,noheader"]
+GPU_QUERY_TIMEOUT_S = 20.0
 
 
 def tree_control() -> bool:
@@ -228,3 +239,117 @@ def leg_cpu(before: tuple[int, int, int | None] | None,
     others = max(0, (after[0] - before[0]) - (after[1] - before[1])) / CLOCK_TICKS
     waited = None if before[2] is None or after[2] is None else max(0, after[2] - before[2]) / 1e9
     return {"others_cpu_s": others, "waited_s": waited}
+
+
+
+# The GPU poller: a child of the audit started before its workers (so never taken for an orphan of
+# theirs), whose own children are the queries. It prints one JSON line per query, and exits, never
+# mid-query (which would leave the query an orphan for the audit to adopt), once its stdin closes.
+POLLER = """
+import json, select, subprocess, sys
+period, query = float(sys.argv[1]), sys.argv[2:]
+while True:
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=%r)
+        line = {"rc": done.returncode, "out": done.stdout, "err": done.stderr}
+    except FileNotFoundError:
+        line = {"error": query[0] + " is not installed"}
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        line = {"error": query[0] + " failed: " + str(exc)}
+    print(json.dumps(line), flush=True)
+    if select.select([sys.stdin], [], [], period)[0]:
+        break
+""" % GPU_QUERY_TIMEOUT_S
+
+
+def read_gpu_answer(answer: dict) -> dict[int, str] | str:
+    """One poller line: pid -> name of every process holding a compute context on a GPU, or why
+    that could not be read."""
+    if "error" in answer:
+        return str(answer["error"])
+    if answer.get("rc") != 0:
+        return f"nvidia-smi exited {answer.get('rc')}: {(answer.get('err') or answer.get('out') or '').strip()[:200]}"
+    out = {}
+    for line in str(answer.get("out", "")).splitlines():
+        pid, _, name = line.partition(",")
+        if pid.strip().isdigit():
+            out[int(pid)] = name.strip()
+        elif line.strip():
+            return f"nvidia-smi gave no process id: {line.strip()[:200]!r}"
+    return out
+
+
+class GpuWatch:
+    """Which processes hold a GPU context, asked every ``poll_s`` from ``start`` to ``stop`` by a
+    poller process (``POLLER``); ``foreign`` collects those that are neither the audit nor its
+    descendants (its workers, their processes, the orphans it adopted). Start it before the
+    workers. The audit holds a context itself while it watches (its replay model is on the GPU): a
+    list without its own pid is not in this system's process ids (a container, say), and then
+    nothing is judged (``unmeasured`` says why, as it does when the driver cannot be asked)."""
+
+    def __init__(self, poll_s: float = GPU_POLL_S, query: list[str] | None = None):
+        self.poll_s, self.query = poll_s, list(query or GPU_QUERY)
+        self.audit_pid = os.getpid()
+        self.foreign: dict[int, str] = {}
+        self.samples = 0
+        self.unmeasured: str | None = None
+        self.poller: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._read, name="gpu-watch", daemon=True)
+
+    def start(self) -> "GpuWatch":
+        self.poller = subprocess.Popen([sys.executable, "-c", POLLER, str(self.poll_s), *self.query],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._stdout = self.poller.stdout
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the poller after one more answer (what ran since the last one), then reads the rest."""
+        if self.poller is None:
+            return
+        seen = self.samples
+        deadline = time.monotonic() + self.poll_s + GPU_QUERY_TIMEOUT_S
+        while self.samples == seen and self.unmeasured is None and self._thread.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.poller.stdin.close()
+        try:
+            self.poller.wait(timeout=GPU_QUERY_TIMEOUT_S + 1)
+        except subprocess.TimeoutExpired:  # a query that hangs past its own timeout
+            self.poller.kill()
+            self.poller.wait()
+        self._thread.join()
+        self.poller = None
+        if self.samples == 0 and self.unmeasured is None:
+            self.unmeasured = "the GPU's processes were never read"
+
+    def _read(self) -> None:
+        before = self.ours()  # a process of the audit's that exits meanwhile is in one of the two
+        for line in self._stdout:
+            try:
+                found = read_gpu_answer(json.loads(line))
+            except ValueError:
+                found = f"the GPU poller wrote {line.strip()[:200]!r}"
+            self.look(found, before)
+            before = self.ours()
+
+    def look(self, found: dict[int, str] | str, before: set[int]) -> None:
+        if self.unmeasured is not None:
+            return
+        if isinstance(found, str):
+            self.unmeasured = found
+            return
+        if self.audit_pid not in found:
+            self.unmeasured = (f"the driver's list of GPU processes ({len(found)}) lacks the audit's own "
+                               "process id: its ids are not this system's")
+            return
+        ours = before | self.ours()
+        for pid, name in found.items():
+            if pid not in ours:
+                self.foreign.setdefault(pid, name)
+        self.samples += 1
+
+    def ours(self) -> set[int]:
+        if not tree_control():
+            return {self.audit_pid}
+        return {self.audit_pid, *descendants({self.audit_pid}, parent_table())}

@@ -27,6 +27,11 @@ arguments, control, N) and measures again:
             OTHERS_GAP more cores of other work (``loaded_against_control``), is measured again on
             its spare; more than half of the judged prompts so loaded fail the retime
             (``load-against-control``): work out of the audit's reach slowed the control.
+  gpu       on a GPU, the driver is asked every second while the legs run which processes hold
+            a GPU context (``audit.processes.GpuWatch``, nvidia-smi); one that is neither the
+            audit nor its descendant fails the retime (``gpu-shared``): its GPU work could slow
+            the control and takes too little CPU to be seen. Where the driver cannot say (no
+            nvidia-smi, or process ids not this system's), ``gpu-unmeasured`` warns.
   clock     ``time.perf_counter`` in the audit, from writing a request to reading its answer;
             per prompt an untimed warm-up of both on another prompt of the same length, then
             ``--legs`` legs of each in ABBA order. A prompt's ratio is ``core.schema.prompt_ratio``
@@ -72,7 +77,7 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
-from audit.processes import ProcessTree, cpu_sample, leg_cpu, parent_table, set_subreaper, tree_control
+from audit.processes import GpuWatch, ProcessTree, cpu_sample, leg_cpu, parent_table, set_subreaper, tree_control
 from audit.replay import replay_run
 from audit.report import divergence_findings, finding_lines, fmt_ratio, write_document
 from audit.stream import BadInput, PromptRun, Run, load_run, resolve_stream_path
@@ -548,6 +553,37 @@ def process_findings(workers: dict[str, Worker]) -> list[dict]:
     return out
 
 
+def watches_gpu(device: str) -> bool:
+    """A retime on a GPU asks which processes hold a context there (``audit.processes.GpuWatch``)."""
+    return str(device).startswith("cuda")
+
+
+def gpu_findings(gpu: GpuWatch | None) -> list[dict]:
+    """``gpu-shared`` (fail) when a process out of the audit's reach held a GPU context while the
+    legs ran: its GPU work slows whichever side it likes and takes too little CPU to be seen;
+    ``gpu-unmeasured`` (warn) when the driver could not say."""
+    if gpu is None:
+        return []
+    if gpu.foreign:
+        named = ", ".join(f"{pid} ({name or '?'})" for pid, name in sorted(gpu.foreign.items()))
+        return [checks.finding("gpu-shared", "fail", None,
+                               f"{len(gpu.foreign)} process(es) out of the audit's reach held a GPU context while "
+                               f"the legs ran: {named}; their GPU work can slow the control unseen: retime on a "
+                               "GPU no other process uses", pids=sorted(gpu.foreign))]
+    if gpu.unmeasured:
+        return [checks.finding("gpu-unmeasured", "warn", None,
+                               f"which processes use the GPU could not be told ({gpu.unmeasured}): GPU work of a "
+                               "process out of the audit's reach would go unseen")]
+    return []
+
+
+def gpu_document(gpu: GpuWatch | None) -> dict | None:
+    if gpu is None:
+        return None
+    return {"samples": gpu.samples, "foreign": [{"pid": pid, "name": name} for pid, name in sorted(gpu.foreign.items())],
+            "unmeasured": gpu.unmeasured}
+
+
 def control_noise(prompts: list[PromptRun]) -> float:
     """The median over prompts of the control's leg spread (0 where it has one leg)."""
     spreads = [checks.prompt_spreads(p)["control"] or 0.0 for p in prompts]
@@ -588,7 +624,8 @@ def check_reproduced(recorded: float | None, retimed: float | None, noise: float
 
 def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPrompt], timed: list[PromptRun],
                    findings: list[dict], recorded: dict, max_new_tokens: int, legs: int, seconds: float,
-                   exact: dict[str, bool], remeasured: list[dict], second_look: dict | None = None) -> dict:
+                   exact: dict[str, bool], remeasured: list[dict], second_look: dict | None = None,
+                   gpu_processes: dict | None = None) -> dict:
     per_recorded, recorded_median = recorded
     ratios = {p.id: checks.prompt_medians(p)["ratio"] for p in timed}
     noise = noise_of(run.prompts, timed)
@@ -623,6 +660,9 @@ def build_document(run: Run, sha: str, seed: int, how: str, fresh: list[FreshPro
         "remeasured": list(remeasured),
         # None, or the first look's median that fell short and sent for a second look (all judged)
         "second_look": second_look,
+        # on a GPU: how often the driver was asked which processes hold a context, and those out of
+        # the audit's reach it named (None on a CPU)
+        "gpu_processes": gpu_processes,
         "findings": findings,
     }
 
@@ -654,6 +694,11 @@ def render_table(doc: dict) -> str:
         lines.append(f"second look: the first {look['first_prompts']} fresh prompts' median "
                      f"{fmt_ratio(look['first_median_ratio'])} fell short; {look['prompts']} more were measured and "
                      f"all {len(doc['prompts'])} judged together")
+    gpu = doc.get("gpu_processes")
+    if gpu:
+        lines.append(f"GPU processes: asked {gpu['samples']} times, " + (
+            f"not told: {gpu['unmeasured']}" if gpu["unmeasured"] and not gpu["foreign"] else
+            f"{len(gpu['foreign'])} out of the audit's reach"))
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
@@ -703,6 +748,7 @@ def retime(opts: RetimeOptions) -> int:
         log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
     was_reaper = set_subreaper(True)
+    gpu = GpuWatch().start() if watches_gpu(dev) else None  # before the workers: no orphan of theirs
     try:
         workers = start_workers(sides, model_spec, dev)
         try:
@@ -711,12 +757,17 @@ def retime(opts: RetimeOptions) -> int:
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         finally:
+            if gpu is not None:
+                gpu.stop()
             for w in workers.values():
                 w.close()
     finally:
+        if gpu is not None:
+            gpu.stop()
         if was_reaper is False:
             set_subreaper(False)
     findings += process_findings(workers)
+    findings += gpu_findings(gpu)
     fresh, timed = [fp for fp, _ in measured.ran], measured.timed
 
     fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})
@@ -730,6 +781,7 @@ def retime(opts: RetimeOptions) -> int:
     findings += judge(run.prompts, recorded[1], timed)
     exact = {p.id: not replayed[p.id].divergences for p in timed}
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
-                         time.perf_counter() - started, exact, measured.remeasured, measured.second_look)
+                         time.perf_counter() - started, exact, measured.remeasured, measured.second_look,
+                         gpu_document(gpu))
     write_document(out_path, doc, render_table(doc))
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

@@ -7,6 +7,7 @@ PYTHONPATH so that they can import the plug-in decoder.
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,30 @@ def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(
     assert bool(caught) == (2 * len(judged) > len(doc["prompts"])), result.output
     if caught:
         assert caught[0]["prompts"] == judged and result.exit_code == 1
+
+
+def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_stream, monkeypatch):
+    """On a GPU the audit asks the driver, all through the legs, which processes hold a context. One
+    that is neither the audit nor its descendant could slow the control with GPU work, which takes
+    too little CPU to be seen, so the retime fails (``gpu-shared``). This runs on the CPU with a
+    stand-in for nvidia-smi that names the audit itself and, the second time, pid 1 as well."""
+    import audit.processes
+    import audit.retime
+
+    monkeypatch.setattr(audit.retime, "watches_gpu", lambda device: True)
+    listing = [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", f"{os.getpid()}, audit"]
+    monkeypatch.setattr(audit.processes, "GPU_QUERY", listing)
+    _, doc = run_retime(fast_serial_stream, "--prompts", "1")
+    assert doc["gpu_processes"]["samples"] >= 1 and doc["gpu_processes"]["unmeasured"] is None
+    assert doc["gpu_processes"]["foreign"] == [] and not findings(doc, "gpu-shared")
+    assert not findings(doc, "worker-processes")  # the audit's poller is no worker's orphan
+
+    monkeypatch.setattr(audit.processes, "GPU_QUERY", [*listing, "1, miner"])
+    result, doc = run_retime(fast_serial_stream, "--prompts", "1")
+    (f,) = findings(doc, "gpu-shared")
+    assert f["severity"] == "fail" and f["pids"] == [1] and result.exit_code == 1
+    assert doc["gpu_processes"]["foreign"] == [{"pid": 1, "name": "miner"}]
+    assert "1 (miner)" in result.stdout
 
 
 def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
