@@ -169,9 +169,16 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     on K fresh prompts of the stream's lengths drawn from its prompt source with a secret seed
     (a second look at K more when the first look falls short), and replays every retimed token
     through its pristine serial path. Fails (ratio-not-reproduced) when the retimed median ratio
-    falls short of the recorded one by more than max(the control's leg noise, 25%). Writes
-    retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings, 2 bad
-    input.
+    falls short of the recorded one by more than max(the control's leg noise, 25%).
+
+    While one side is timed the other is stopped with every process it started. Around every leg
+    the audit measures how long the timed side waited for a CPU and how much CPU other work took;
+    it fails (load-against-control) when most prompts ran their control on a machine loaded
+    against it. On a GPU it asks nvidia-smi every second which processes hold a context, and fails
+    (gpu-shared) when one is out of its reach. Details: docs/audit.md.
+
+    Writes retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings,
+    2 bad input.
     """
     from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
 
