@@ -174,8 +174,9 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     While one side is timed the other is stopped with every process it started. Around every leg
     the audit measures how long the timed side waited for a CPU and how much CPU other work took;
     it fails (load-against-control) when most prompts ran their control on a machine loaded
-    against it. On a GPU it asks nvidia-smi every second which processes hold a context, and fails
-    (gpu-shared) when one is out of its reach. Details: docs/audit.md.
+    against it, and (stopped-by-others) when another process paused the control's worker or the
+    audit itself. On a GPU it asks nvidia-smi every second which processes hold a context, and
+    fails (gpu-shared) when one is out of its reach. Details: docs/audit.md.
 
     Writes retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings,
     2 bad input.

@@ -27,6 +27,11 @@ arguments, control, N) and measures again:
             OTHERS_GAP more cores of other work (``loaded_against_control``), is measured again on
             its spare; more than half of the judged prompts so loaded fail the retime
             (``load-against-control``): work out of the audit's reach slowed the control.
+  stops     each worker counts the SIGCONTs it receives and the audit counts those it sends (one
+            per resume of the side it stopped); a control worker that received more was stopped
+            by another process, and the audit counts its own SIGCONTs during every leg: either
+            fails the retime (``stopped-by-others``). A pause costs no CPU and no wait for one,
+            so neither load measure sees it.
   gpu       on a GPU, the driver is asked every second while the legs run which processes hold
             a GPU context (``audit.processes.GpuWatch``, nvidia-smi); one that is neither the
             audit nor its descendant fails the retime (``gpu-shared``): its GPU work could slow
@@ -70,6 +75,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.continues import ContinueCounter
 from core.prompts import RANDOM_SETS, SNIPPET_CHARS, parse_corpus_spec, snippet_at, snippet_files
 from core.schema import ROLES, abba_roles, loads
 
@@ -281,10 +287,15 @@ def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
 
 
 class Worker:
-    """One side's process; ``decode`` is timed by the caller."""
+    """One side's process; ``decode`` is timed by the caller. ``audit_continues`` counts the
+    audit's own SIGCONTs, shared by both sides."""
 
-    def __init__(self, role: str, command: list[str]):
+    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter):
         self.role = role
+        self.audit_continues = audit_continues
+        self.resumes = 0  # SIGCONTs the audit sent the worker
+        self.continued: int | None = None  # SIGCONTs the worker last said it received
+        self.continues_judged = 0  # of the others' continues, those already put down to a request
         # a session of its own: stopped as its process group and, through /proc, as its whole tree
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      env=dict(os.environ), start_new_session=True)
@@ -298,6 +309,16 @@ class Worker:
 
     def resume(self) -> None:
         self.tree.resume()
+        self.resumes += 1
+
+    def continues_by_others(self) -> int | None:
+        """SIGCONTs the worker received from others since the last call (None if it does not say):
+        each one ended a stop that the audit did not make."""
+        if not checks.is_int(self.continued):
+            return None
+        extra = max(0, self.continued - self.resumes)
+        new, self.continues_judged = max(0, extra - self.continues_judged), max(extra, self.continues_judged)
+        return new
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -310,6 +331,7 @@ class Worker:
             raise WorkerError(f"the {self.role}'s worker wrote {line.strip()[:200]!r}, not a protocol line") from None
         if not isinstance(msg, dict) or "error" in msg:
             raise WorkerError(f"the {self.role}'s worker: {msg.get('error') if isinstance(msg, dict) else msg!r}")
+        self.continued = msg.get("continued")
         return msg
 
     def wait_ready(self) -> dict:
@@ -353,21 +375,25 @@ class Worker:
 
 def request(workers: dict[str, Worker], role: str, prompt_ids: list[int],
             max_new_tokens: int) -> tuple[float, float, list[int], dict]:
-    """(t_start, t_end, tokens, cpu): the audit's clock around one request to ``role`` and its
-    answer, the other side stopped meanwhile; ``cpu`` what other work took meanwhile
-    (``audit.processes.leg_cpu``)."""
+    """(t_start, t_end, tokens, measures): the audit's clock around one request to ``role`` and
+    its answer, the other side stopped meanwhile; ``measures`` what other work took meanwhile
+    (``audit.processes.leg_cpu``), and how often another process stopped and continued the timed
+    worker (since its last request) or the audit (``continued_by_others``, ``audit_continued``)."""
     other, timed = workers[checks.other_role(role)], workers[role]
     other.pause()
     try:
         before = cpu_sample(timed.tree)
+        audit_before = timed.audit_continues.count
         t0 = time.perf_counter()
         timed.send(prompt_ids, max_new_tokens)
         tokens = timed.tokens()
         t1 = time.perf_counter()
+        audit_continued = timed.audit_continues.count - audit_before
         after = cpu_sample(timed.tree)
     finally:
         other.resume()
-    return t0, t1, tokens, leg_cpu(before, after)
+    return t0, t1, tokens, {**leg_cpu(before, after), "continued_by_others": timed.continues_by_others(),
+                            "audit_continued": audit_continued}
 
 
 @dataclass
@@ -442,10 +468,10 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(legs)):
-            t0, t1, tokens, cpu = request(workers, role, fp.token_ids, max_new_tokens)
+            t0, t1, tokens, measures = request(workers, role, fp.token_ids, max_new_tokens)
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
                            "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens,
-                           **cpu})
+                           **measures})
             seen[role] += 1
     except WorkerError as exc:
         exc.prompt_id = fp.id
@@ -453,7 +479,8 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
     return p
 
 
-def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, Worker]:
+def start_workers(sides: list[Side], model_spec: str, device: str,
+                  audit_continues: ContinueCounter) -> dict[str, Worker]:
     """Both sides cold, in processes of their own; the candidate with its recorded arguments. The
     audit's children from before are no one's orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
@@ -461,7 +488,7 @@ def start_workers(sides: list[Side], model_spec: str, device: str) -> dict[str, 
     try:
         for side in sides:
             log(f"starting the {side.role}'s worker: {side.describe()}")
-            workers[side.role] = Worker(side.role, side.command(model_spec, device))
+            workers[side.role] = Worker(side.role, side.command(model_spec, device), audit_continues)
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():
@@ -550,6 +577,34 @@ def process_findings(workers: dict[str, Worker]) -> list[dict]:
                 f"the {w.role}'s worker ran {len(outside)} process(es) outside its process group, stopped with it "
                 f"whenever the other side was timed; {killed} still ran when it exited and were killed",
                 role=w.role, outside_group=outside, killed_at_close=killed))
+    return out
+
+
+def stop_findings(timed: list[PromptRun]) -> list[dict]:
+    """``stopped-by-others`` (fail) when another process stopped the control's worker (it received
+    more SIGCONTs than the audit sent it; counted from one request to the next) or the audit itself
+    during a leg: the pause is in the control's time, or, for the audit, in whichever side's it
+    fell. The candidate's own stops only slow the candidate."""
+    control, audit = [], []
+    for p in timed:
+        for r in p.legs:
+            if r["role"] == "control" and (r.get("continued_by_others") or 0) > 0:
+                control.append(f"{p.id} leg {r['leg']}")
+            if (r.get("audit_continued") or 0) > 0:
+                audit.append(f"{p.id} {r['role']} leg {r['leg']}")
+    out = []
+    if control:
+        out.append(checks.finding("stopped-by-others", "fail", None,
+                                  f"another process stopped the control's worker (SIGSTOP, then SIGCONT) before or "
+                                  f"during {len(control)} of its legs ({', '.join(control[:4])}"
+                                  f"{', ...' if len(control) > 4 else ''}): its time holds pauses that are not its own",
+                                  side="control", legs=control))
+    if audit:
+        out.append(checks.finding("stopped-by-others", "fail", None,
+                                  f"the audit itself was stopped and continued during {len(audit)} leg(s) "
+                                  f"({', '.join(audit[:4])}{', ...' if len(audit) > 4 else ''}; a job stopped "
+                                  "from a shell, or another process): those legs' times are not the decoders'",
+                                  side="audit", legs=audit))
     return out
 
 
@@ -749,8 +804,9 @@ def retime(opts: RetimeOptions) -> int:
     measured = Measured()
     was_reaper = set_subreaper(True)
     gpu = GpuWatch().start() if watches_gpu(dev) else None  # before the workers: no orphan of theirs
+    audit_continues = ContinueCounter().install()
     try:
-        workers = start_workers(sides, model_spec, dev)
+        workers = start_workers(sides, model_spec, dev, audit_continues)
         try:
             time_looks(workers, (first_look, second_look), run.prompts, recorded[1], n, opts.legs, warmup, measured,
                        instrument=instrument)
@@ -762,12 +818,14 @@ def retime(opts: RetimeOptions) -> int:
             for w in workers.values():
                 w.close()
     finally:
+        audit_continues.restore()
         if gpu is not None:
             gpu.stop()
         if was_reaper is False:
             set_subreaper(False)
     findings += process_findings(workers)
     findings += gpu_findings(gpu)
+    findings += stop_findings(measured.timed)
     fresh, timed = [fp for fp, _ in measured.ran], measured.timed
 
     fresh_run = Run(path, {**run.header, "max_new_tokens": n}, timed, None, {})

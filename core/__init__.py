@@ -8,4 +8,5 @@
   dist         torchrun plumbing: sharding, process group, failures
   prompts      prompt sets, built-in and from files
   corpus       the standard-library corpus and its train/dev/held-out split
+  continues    counting the SIGCONTs a process receives (another process stopping it)
 """

@@ -16,6 +16,10 @@ reach the timing or the other side. Protocol, one JSON object per line:
            refused with ``{"error": ...}`` for a decoder that is not marked ``instrument = True``.
   end      stdin closed: the worker exits 0.
 
+Every answer also carries ``"continued": K``, how many times this process has been continued
+after a stop (SIGCONT) since it started: the audit stops the side it is not timing and counts its
+own continues, so a count above them means another process stopped this one, perhaps in a leg.
+
 stdout carries protocol lines only: anything else the decoder prints goes to stderr.
 """
 from __future__ import annotations
@@ -28,12 +32,14 @@ import torch
 import transformers
 
 from core import determinism
+from core.continues import ContinueCounter
 from core.errors import UserError
 from core.models import load_model
 from decoders import get_decoder, parse_decoder_args
 
 
-def reply(channel, obj: dict) -> None:
+def reply(channel, obj: dict, continues: ContinueCounter) -> None:
+    obj = {**obj, "continued": continues.count}
     channel.write(json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n")
     channel.flush()
 
@@ -47,7 +53,7 @@ def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict):
     return model, decoder
 
 
-def serve(channel, model, decoder) -> None:
+def serve(channel, model, decoder, continues: ContinueCounter) -> None:
     """Answer requests until stdin closes."""
     for line in sys.stdin:
         if not line.strip():
@@ -58,16 +64,16 @@ def serve(channel, model, decoder) -> None:
                 if getattr(decoder, "instrument", False) is not True:
                     raise UserError(f"{decoder.name} is not an instrument: it gets no untimed preparation")
                 decoder.prepare_prompt(list(request["prepare_prompt"]), int(request["max_new_tokens"]))
-                reply(channel, {"prepared": True})
+                reply(channel, {"prepared": True}, continues)
                 continue
             ids, n = request["prompt_ids"], request["max_new_tokens"]
             tokens = [int(t) for t in decoder.decode(list(ids), int(n)).tokens]
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
         except Exception as exc:  # noqa: BLE001 - the caller judges a failed request; this process stays up
-            reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
+            reply(channel, {"error": f"{type(exc).__name__}: {exc}"}, continues)
             continue
-        reply(channel, {"tokens": tokens})
+        reply(channel, {"tokens": tokens}, continues)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,6 +86,7 @@ def serve(channel, model, decoder) -> None:
               help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
 def main(model_spec, device, decoder_spec, args_json, decoder_args):
     """Serve decode requests for one decoder on stdin/stdout (see the module docstring)."""
+    continues = ContinueCounter().install()  # for the life of this process
     determinism.pin()  # before anything touches CUDA, as harness time and the audit do
     channel, sys.stdout = sys.stdout, sys.stderr  # a decoder's prints must not corrupt the protocol
     try:
@@ -89,11 +96,11 @@ def main(model_spec, device, decoder_spec, args_json, decoder_args):
         kwargs.update(parse_decoder_args(decoder_args))
         model, decoder = setup(model_spec, device, decoder_spec, kwargs)
     except (UserError, json.JSONDecodeError) as exc:  # a bug's traceback goes to stderr as it is
-        reply(channel, {"error": str(exc)})
+        reply(channel, {"error": str(exc)}, continues)
         sys.exit(2)
     reply(channel, {"ready": True, "decoder": decoder.name, "config": decoder.config(),
-                    "device": str(model.device)})
-    serve(channel, model, decoder)
+                    "device": str(model.device)}, continues)
+    serve(channel, model, decoder, continues)
 
 
 if __name__ == "__main__":

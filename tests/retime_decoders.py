@@ -3,7 +3,7 @@ retime_decoders:NAME``; a subprocess needs ``PYTHONPATH=tests``): ``Precomputed`
 ``PrecomputedUneven`` answer the built-in prompts from a table made in ``prepare()``;
 ``LoadsTheControl`` and ``LoadsTheControlFromOutside`` leave processes that burn the machine while
 the control is timed, in the worker's tree but out of its process group, or out of the audit's
-reach."""
+reach; ``StopsTheControlFromOutside`` leaves one that pauses the control's worker instead."""
 from __future__ import annotations
 
 import os
@@ -158,27 +158,34 @@ class LoadsTheControl:
         return self.inner.decode(prompt_ids, max_new_tokens)
 
 
+# The start of the scripts below: their arguments, their pid noted, and the retime's workers found
+# by their command lines (a worker, not another of these scripts, whose command lines name it too).
+OUTSIDE_START = """
+import os, signal, sys, time
+needle, pids, lifetime = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
+with open(pids, "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+def workers():
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"-m\\x00harness.worker\\x00" in cmd:
+            yield entry, cmd
+"""
+
 # The spinner of LoadsTheControlFromOutside: started by `harness time`'s run of the decoder, it
 # outlives that run, finds the candidate's worker of a later retime by its command line, and burns
 # a core whenever that worker is stopped. It is not the audit's descendant: no stop reaches it. It
 # exits after LIFETIME seconds, or once a worker it found is gone.
-OUTSIDER = """
-import os, sys, time
-needle, pids, lifetime = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
-with open(pids, "a") as f:
-    f.write(f"{os.getpid()}\\n")
+OUTSIDER = OUTSIDE_START + """
 start, watched = time.monotonic(), None
 while time.monotonic() - start < lifetime:
     if watched is None:
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if b"-m\\x00harness.worker\\x00" in cmd and needle in cmd:  # a worker, not another spinner
-                watched = entry
-                break
+        watched = next((pid for pid, cmd in workers() if needle in cmd), None)
         time.sleep(0.01)
         continue
     try:
@@ -221,3 +228,55 @@ class LoadsTheControlFromOutside:
 
     def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
         return self.inner.decode(prompt_ids, max_new_tokens)
+
+
+# The stopper of StopsTheControlFromOutside: started by `harness time`'s run of the decoder, it
+# outlives that run, finds a later retime's two workers by their command lines, and while the
+# candidate's is stopped (the control is timed) pauses the control's again and again: SIGSTOP, a
+# few ms, SIGCONT. It takes almost no CPU. It exits after LIFETIME seconds, or once a worker is gone.
+STOPPER = OUTSIDE_START + """
+def state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+start, candidate, control = time.monotonic(), None, None
+while time.monotonic() - start < lifetime:
+    if candidate is None or control is None:
+        for pid, cmd in workers():
+            if needle in cmd:
+                candidate = pid
+            elif b"--decoder\\x00serial\\x00" in cmd:
+                control = pid
+        time.sleep(0.01)
+        continue
+    try:
+        stopped = state(candidate) in ("T", "t")
+        if stopped:
+            os.kill(int(control), signal.SIGSTOP)
+            time.sleep(0.004)
+            os.kill(int(control), signal.SIGCONT)
+        time.sleep(0.004 if stopped else 0.001)
+    except (OSError, ProcessLookupError):
+        break
+"""
+
+
+class StopsTheControlFromOutside(LoadsTheControlFromOutside):
+    """Exact (serial decoding underneath), but its run in ``harness time`` leaves one process behind
+    (``STOPPER``, orphaned, out of the retime's reach) that pauses the retime's control worker with
+    SIGSTOP and SIGCONT while the control is timed: no CPU load, no wait for a CPU, a slower control."""
+
+    name = "stops-the-control-from-outside"
+
+    def __init__(self, pids: str = "", lifetime: float = 300.0):
+        super().__init__(pids, 1, lifetime)
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        if in_retime_worker():
+            return
+        stopper = [STOPPER, type(self).__name__, self.pids, str(self.lifetime)]
+        subprocess.Popen([sys.executable, "-c", ORPHANING, *stopper], start_new_session=True).wait()
+
+    def config(self) -> dict:
+        return {"pids": self.pids, "lifetime": self.lifetime}

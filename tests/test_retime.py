@@ -175,6 +175,24 @@ def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path
     assert "outside its process group" in result.stdout
 
 
+def retime_leaving_outsiders(tmp_path, plugin: str):
+    """``harness time`` with the plug-in ``plugin``, which leaves processes behind (their pids in a
+    file), then the retime of its stream; the processes are killed whatever happens."""
+    import signal
+
+    pids = tmp_path / "outsiders"
+    try:
+        stream = run_harness(tmp_path / "outside", f"retime_decoders:{plugin}", limit=2, n=N, legs=LEGS,
+                             extra=("--decoder-arg", f"pids={pids}"))
+        return run_retime(stream, "--trust-plugin", "--prompts", "2")
+    finally:
+        for pid in [int(x) for x in pids.read_text().split()] if pids.exists() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.skipif(not Path("/proc/self/schedstat").is_file(), reason="waiting for a CPU is read from /proc (Linux)")
 def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(tmp_path):
     """The plug-in's run in ``harness time`` leaves spinners behind, out of the retime's process
@@ -184,27 +202,14 @@ def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(
     beside OTHERS_GAP more cores of other work, is measured again on its spare, and the retime
     fails (``load-against-control``) exactly when most judged prompts are still so loaded. (The
     spinners miss some legs, so how many prompts they load varies from run to run.)"""
-    import signal
-
     from audit.retime import OTHERS_GAP, WAIT_GAP
     from core.schema import LEG_SPREAD_LIMIT
-    from retime_decoders import written_pids
 
     def loaded(e):
         return (e["waited"]["control"] - e["waited"]["candidate"] > WAIT_GAP
                 or e["others_load"]["control"] - e["others_load"]["candidate"] > OTHERS_GAP)
 
-    pids = tmp_path / "outsiders"
-    try:
-        stream = run_harness(tmp_path / "outside", "retime_decoders:LoadsTheControlFromOutside", limit=2, n=N,
-                             legs=LEGS, extra=("--decoder-arg", f"pids={pids}"))
-        result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2")
-    finally:
-        for pid in written_pids(str(pids)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    result, doc = retime_leaving_outsiders(tmp_path, "LoadsTheControlFromOutside")
     assert result.exit_code in (0, 1), result.output
     measured = doc["prompts"] + doc["remeasured"]
     assert any(loaded(e) for e in measured), result.output  # the spinners' work was seen
@@ -216,6 +221,50 @@ def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(
     assert bool(caught) == (2 * len(judged) > len(doc["prompts"])), result.output
     if caught:
         assert caught[0]["prompts"] == judged and result.exit_code == 1
+
+
+def test_pauses_of_the_control_by_a_process_out_of_reach_fail_the_retime(tmp_path):
+    """The plug-in's run in ``harness time`` leaves a process behind, out of the retime's reach, that
+    pauses the control's worker (SIGSTOP, a few ms, SIGCONT) while the control is timed: no load on
+    the machine, no wait for a CPU, yet a slower control and an inflated ratio. A stopped process
+    runs again only on a SIGCONT, and each worker counts those it receives: more than the audit sent
+    fail the retime (``stopped-by-others``)."""
+    result, doc = retime_leaving_outsiders(tmp_path, "StopsTheControlFromOutside")
+    (f,) = [f for f in findings(doc, "stopped-by-others") if f["side"] == "control"]
+    assert f["severity"] == "fail" and f["legs"] and result.exit_code == 1, result.output
+    assert "stopped the control's worker" in result.stdout
+
+
+def test_the_audit_stopped_during_its_legs_fails_the_retime(fast_serial_stream, tmp_path):
+    """The audit's clock runs in its own process: stopping it during a leg puts the pause into
+    that leg's time. The audit counts the SIGCONTs it receives, and any during a leg fails the
+    retime (``stopped-by-others``, side ``audit``): a job stopped from a shell, or an attack."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "retime.json"
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    audit = subprocess.Popen([sys.executable, "-m", "audit", "retime", str(fast_serial_stream), "--device", "cpu",
+                              "--prompts", "1", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        while audit.poll() is None:  # pauses of 5 ms, every 50 ms, all through the retime
+            time.sleep(0.045)
+            try:
+                os.kill(audit.pid, signal.SIGSTOP)
+                time.sleep(0.005)
+                os.kill(audit.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                break
+    finally:
+        if audit.poll() is None:
+            os.kill(audit.pid, signal.SIGCONT)
+        output = audit.communicate(timeout=300)[0]
+    doc = json.loads(out.read_text())
+    (f,) = [f for f in findings(doc, "stopped-by-others") if f["side"] == "audit"]
+    assert f["severity"] == "fail" and f["legs"] and audit.returncode == 1, output
+    assert not [f for f in findings(doc, "stopped-by-others") if f["side"] == "control"]
 
 
 def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_stream, monkeypatch):
@@ -331,10 +380,14 @@ class ScriptedWorker:
     tree = None  # no processes to stop or to measure
 
     def __init__(self, seconds: list[float]):
+        from core.continues import ContinueCounter
+
         self.seconds, self.timed = list(seconds), []
+        self.audit_continues = ContinueCounter()  # not installed: nothing stops this test's process
 
     def pause(self): pass
     def resume(self): pass
+    def continues_by_others(self): return 0
 
     def send(self, prompt_ids, max_new_tokens, key="prompt_ids"):
         self.prompt = list(prompt_ids)
