@@ -241,7 +241,6 @@ def leg_cpu(before: tuple[int, int, int | None] | None,
     return {"others_cpu_s": others, "waited_s": waited}
 
 
-
 # The GPU poller: a child of the audit started before its workers (so never taken for an orphan of
 # theirs), whose own children are the queries. It prints one JSON line per query, and exits, never
 # mid-query (which would leave the query an orphan for the audit to adopt), once its stdin closes.
@@ -294,6 +293,7 @@ class GpuWatch:
         self.samples = 0
         self.unmeasured: str | None = None
         self.poller: subprocess.Popen | None = None
+        self._stdout = None
         self._thread = threading.Thread(target=self._read, name="gpu-watch", daemon=True)
 
     def start(self) -> "GpuWatch":
