@@ -293,13 +293,12 @@ class GpuWatch:
         self.samples = 0
         self.unmeasured: str | None = None
         self.poller: subprocess.Popen | None = None
-        self._stdout = None
-        self._thread = threading.Thread(target=self._read, name="gpu-watch", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> "GpuWatch":
         self.poller = subprocess.Popen([sys.executable, "-c", POLLER, str(self.poll_s), *self.query],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._stdout = self.poller.stdout
+        self._thread = threading.Thread(target=self._read, args=(self.poller.stdout,), name="gpu-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -323,9 +322,9 @@ class GpuWatch:
         if self.samples == 0 and self.unmeasured is None:
             self.unmeasured = "the GPU's processes were never read"
 
-    def _read(self) -> None:
+    def _read(self, answers) -> None:
         before = self.ours()  # a process of the audit's that exits meanwhile is in one of the two
-        for line in self._stdout:
+        for line in answers:
             try:
                 found = read_gpu_answer(json.loads(line))
             except ValueError:

@@ -316,8 +316,8 @@ class Worker:
         each one ended a stop that the audit did not make."""
         if not checks.is_int(self.continued):
             return None
-        extra = max(0, self.continued - self.resumes)
-        new, self.continues_judged = max(0, extra - self.continues_judged), max(extra, self.continues_judged)
+        new = max(0, self.continued - self.resumes - self.continues_judged)
+        self.continues_judged += new
         return new
 
     def read(self) -> dict:
@@ -813,8 +813,6 @@ def retime(opts: RetimeOptions) -> int:
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         finally:
-            if gpu is not None:
-                gpu.stop()
             for w in workers.values():
                 w.close()
     finally:
