@@ -9,4 +9,5 @@
   prompts      prompt sets, built-in and from files
   corpus       the standard-library corpus and its train/dev/held-out split
   continues    counting the SIGCONTs a process receives (another process stopping it)
+  version      the package version and the --version option of every command
 """
