@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from core.version import version_option
 from core.errors import DistError, Stopped, UserError, fail
 
 from audit.stream import BadInput
@@ -25,11 +26,13 @@ from audit.stream import BadInput
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@version_option
 def main():
     """Independent audit of harness runs: exactness by replay, ratios from raw legs, tamper checks."""
 
 
 @main.command("replay")
+@version_option
 @click.argument("streams", metavar="STREAM...", nargs=-1, required=True)
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
               help="Model to replay with (built-in name or checkpoint dir). Default: the one the header names.")
@@ -97,6 +100,7 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 
 
 @main.command("tokens")
+@version_option
 @click.argument("file", metavar="FILE", type=click.Path(path_type=Path))
 @click.option("--model", "model_spec", required=True, metavar="MODEL",
               help="The model that generated FILE (built-in name or checkpoint dir).")
@@ -140,6 +144,7 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 
 
 @main.command("retime")
+@version_option
 @click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
