@@ -173,3 +173,31 @@ def sandboxed(which=shutil.which, root: bool | None = None):
     """A private directory and the sandbox plan around it; the directory is removed on exit."""
     with private_dir() as tmp:
         yield plan(tmp, which=which, root=root)
+
+
+@dataclass
+class Launch:
+    """One worker's argv and environment, and its private directory (``cleanup`` removes it)."""
+
+    argv: list[str]
+    env: dict
+    tmpdir: str
+    sandbox: Sandbox | None  # None: not asked for (the control)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def launch(command: list[str], sandbox: bool, which=shutil.which, root: bool | None = None,
+           environ: dict | None = None) -> Launch:
+    """How to start ``command`` (a ``python -I`` worker): with a private directory of its own that
+    holds its ``PYTHONPYCACHEPREFIX`` (empty, so no ``.pyc`` written before is loaded) and, with
+    ``sandbox``, inside this machine's sandbox (``plan``), the directory its only writable place."""
+    tmpdir = tempfile.mkdtemp(prefix="qwen35-worker-")
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(tmpdir, "pycache")
+    env.pop("PYTHONUSERBASE", None)
+    if not sandbox:
+        return Launch(list(command), env, tmpdir, None)
+    sb = plan(tmpdir, which=which, root=root)
+    return Launch(sb.wrap(command), {**env, **sb.env}, tmpdir, sb)
