@@ -165,8 +165,11 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
               help="Draw the fresh prompts from seed S (a retime.json's seed repeats its draw). Default: a secret "
                    "seed drawn for this retime, shown once every leg ran.")
+@click.option("--no-sandbox", "no_sandbox", is_flag=True,
+              help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
+                   "machine offers one; retime.json and the table then warn candidate-not-sandboxed.")
 def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch,
-               trust_plugin, seed):
+               trust_plugin, seed, no_sandbox):
     """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
@@ -181,7 +184,10 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     it fails (load-against-control) when most prompts ran their control on a machine loaded
     against it, and (stopped-by-others) when another process paused the control's worker or the
     audit itself. On a GPU it asks nvidia-smi every second which processes hold a context, and
-    fails (gpu-shared) when one is out of its reach. Details: docs/audit.md.
+    fails (gpu-shared) when one is out of its reach. Before the workers start, the control's code is
+    checked against git HEAD and the installed RECORDs (control-code-modified names a changed
+    file); the candidate's worker runs sandboxed where the machine allows (read-only filesystem, no
+    network, its processes dying with it). Details: docs/audit.md.
 
     Writes retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings,
     2 bad input.
@@ -190,7 +196,7 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
-                         trust_plugin=trust_plugin, seed=seed)
+                         trust_plugin=trust_plugin, seed=seed, sandbox=not no_sandbox)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:
