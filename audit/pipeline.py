@@ -118,6 +118,7 @@ def file_findings(run, model) -> tuple[list[dict], list[dict]]:
     model_findings = checks.check_model_identity(run.header["model"], model.identity)
     findings += model_findings
     findings += checks.check_instrument(run.header)
+    findings += checks.check_control_code(run.header)
     findings += checks.check_reference(run.header)
     findings += checks.check_prompt_set(run.header, run.prompts,
                                         reference_prompts(run.header, model, len(run.prompts)))

@@ -60,6 +60,8 @@ def build_header(setup: Setup, settings: dict, opts: TimeOptions, ranks: list[di
             "cuda": torch.version.cuda,
         },
         "determinism": settings,
+        # the control's code as checked before anything was imported (core.provenance)
+        "control_code": setup.control_code,
         # the harness re-read the settings and the timing's objects after prepare() and every leg;
         # each change is a violation record in this stream
         "integrity_checked": True,

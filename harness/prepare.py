@@ -33,6 +33,7 @@ class Setup:
     clock: object
     watch: object
     violations: list = field(default_factory=list)  # found after prepare()
+    control_code: dict | None = None  # core.provenance's check of the control's code, before anything ran
 
 
 def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
@@ -46,6 +47,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     log = log or (lambda message: click.echo(message, err=True))
     check_prompt_set(opts.prompts)
+    control_code = check_control_code(log)
     clock = Clock.start()
     watch = Watch(settings, clock)
     control = get_decoder(opts.control)
@@ -65,7 +67,18 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
                for i, p in enumerate(prompts)}
     torch.manual_seed(opts.seed)
     return Setup(control, candidate, kwargs, model, dev, max_new_tokens, prompts, prompt_info, warmups, resident,
-                 clock, watch, violations)
+                 clock, watch, violations, control_code)
+
+
+def check_control_code(log) -> dict:
+    """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
+    is imported; a changed file is named here, recorded in the header, and fails the audit."""
+    from core.provenance import control_code_header  # runs a fresh interpreter: only when a command runs
+
+    summary, findings = control_code_header()
+    for f in findings:
+        log(f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}")
+    return summary
 
 
 def check_prompt_set(spec: str | None) -> None:
