@@ -27,11 +27,14 @@ class TrainRequest:
     settings: tuple = ()       # (name, value) pairs for HeadTrainConfig
 
 
-def check_out(out: Path, model_dir: str, head_file: str) -> None:
+def check_out(out: Path, model_dir: str, names: tuple[str, ...]) -> None:
+    """Refuse an --out that is a file, already holds any of the head directory's files ``names``
+    (they are never overwritten), is the model's own directory, or cannot be written."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory")
-    if (out / head_file).exists():
-        raise UserError(f"--out {str(out)!r} already holds {head_file}; pick another directory")
+    held = [n for n in names if (out / n).exists()]
+    if held:
+        raise UserError(f"--out {str(out)!r} already holds {', '.join(held)}; pick another directory")
     p = Path(model_dir)
     if p.is_dir() and out.resolve() == p.resolve():
         raise UserError("--out must not be the model's checkpoint directory (the backbone's files are never touched)")
@@ -44,25 +47,33 @@ def check_out(out: Path, model_dir: str, head_file: str) -> None:
 
 def run_train(req: TrainRequest) -> int:
     """The whole command; returns its exit status. Every failure is one ``error:`` line."""
-    from decoders.drafter import HEAD_FILE
-
+    checked = []  # set once --out is known to hold none of the head's files
     try:
-        return _train(req)
+        return _train(req, checked)
     except UserError as exc:
         _error(str(exc))
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        # the head file is renamed into place whole, and only after the rest: it exists only if saved
-        saved = (req.out / HEAD_FILE).is_file()
-        _error(f"interrupted; the head was saved to {req.out}" if saved else "interrupted; nothing was written")
+        _error(interrupted_message(req.out, checked[0] if checked else ()))
         return EXIT_INTERRUPTED
+
+
+def interrupted_message(out: Path, names: tuple[str, ...]) -> str:
+    """What a Ctrl-C left: ``names`` are the head directory's files, none of which ``out`` held
+    before (the head file is renamed into place last, and whole)."""
+    written = [n for n in names if (out / n).is_file()]
+    if not written:
+        return "interrupted; nothing was written"
+    if written[0] == names[0]:
+        return f"interrupted; the head was saved to {out}"
+    return f"interrupted while saving; {out} holds {', '.join(written)} but no head (delete them)"
 
 
 def _error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def _train(req: TrainRequest) -> int:
+def _train(req: TrainRequest, checked: list) -> int:
     # torch and the pipeline load for a command, not for --help (start-up time), and after pin()
     from core import determinism
 
@@ -80,7 +91,9 @@ def _train(req: TrainRequest) -> int:
     transformers.logging.set_verbosity_error()
     cfg = T.HeadTrainConfig(**dict(req.settings),
                             gen_dtype=None if req.gen_dtype == "model" else getattr(torch, req.gen_dtype))
-    check_out(req.out, req.model, T.HEAD_FILE)
+    names = (T.HEAD_FILE, T.SHORTLIST_FILE, T.REPORT_FILE)
+    check_out(req.out, req.model, names)
+    checked.append(names)
     model = load_model(req.model, device)
     if model.mtp is None:
         raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
@@ -100,7 +113,7 @@ def _train(req: TrainRequest) -> int:
         return EXIT_NOT_SAVED
     report["forced"] = not res["improved"]
     T.save_head(req.out, res["state"], res["shortlist"], report)
-    print(f"wrote {req.out}: {T.HEAD_FILE}, draft_shortlist.json, {T.REPORT_FILE}"
+    print(f"wrote {req.out}: {T.HEAD_FILE}, {T.SHORTLIST_FILE}, {T.REPORT_FILE}"
           + (" (forced: not better than the starting head)" if report["forced"] else ""))
     return EXIT_SAVED
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import math
 import sys
 import time
@@ -50,7 +51,6 @@ from transformers import DynamicCache
 
 from core.errors import UserError
 from core.prompts import Prompt
-from core.schema import write_json_atomic
 from decoders import shortlist as draft_shortlist
 from decoders.drafter import HEAD_FILE, SHORTLIST_FILE  # one name for each file, shared with spec
 from decoders.fast_serial import FastSerialDecoder
@@ -492,19 +492,29 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
 
 
 def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
-    """Write the head directory. The shortlist and report go first, each renamed into place whole;
-    the head file is written to a temporary name and renamed last, so a head file exists only
-    when the whole save did; an interruption leaves no temporary file behind."""
+    """Write the head directory. All three files are written under temporary names first, then
+    renamed into place, the head file last: a head file exists only when the whole save did, and
+    an interruption leaves no temporary file behind."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{HEAD_FILE}.tmp"
+    tensors = {"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}
+    meta = {"format": "pt", "selected_step": str(report.get("selected_step"))}
+    writers = {HEAD_FILE: lambda path: save_file(tensors, str(path), metadata=meta),
+               SHORTLIST_FILE: lambda path: path.write_text(_json_text(shortlist)),
+               REPORT_FILE: lambda path: path.write_text(_json_text(report))}
+    staged = []  # (temporary, final) paths
     try:
-        save_file({"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
-                  metadata={"format": "pt", "selected_step": str(report.get("selected_step"))})
-        write_json_atomic(out / SHORTLIST_FILE, shortlist)
-        write_json_atomic(out / REPORT_FILE, report)
-        tmp.replace(out / HEAD_FILE)
+        for name, write in writers.items():
+            staged.append((out / f".{name}.tmp", out / name))
+            write(staged[-1][0])
+        for tmp, final in reversed(staged):  # the head file last
+            tmp.replace(final)
     finally:
-        tmp.unlink(missing_ok=True)
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def _json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def summary_lines(report: dict) -> list[str]:
