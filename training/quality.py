@@ -25,6 +25,7 @@ from training.acceptance import mtp_acceptance
 from training.data import encode_splits, fixed_windows, load_corpus, load_tokenizer
 from training.log import log, progress
 from training.model import Preset, require_checkpoint
+from training.outdir import write_text_atomic
 from training.train import evaluate_loss
 
 REMEASURED_FILE = "quality.remeasured.json"
@@ -188,9 +189,7 @@ def remeasure(ckpt: Path, preset: Preset, device: str, spec: bool = True) -> dic
               "files_sha256": corpus.manifest()["files_sha256"], **quality,
               "seconds": round(time.perf_counter() - t0, 1)}
     path = ckpt / REMEASURED_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(report, indent=1) + "\n")
     r, d = report["repetition"], report["dev_repetition"]
     log(f"dev: next-token {report['dev']['ntp_loss']:.4f}, loops {d['looping_fraction']:.3f} "
         f"(source {d['reference_looping_fraction']:.3f}); held-out: next-token {report['heldout']['ntp_loss']:.4f}, "
