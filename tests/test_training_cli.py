@@ -231,3 +231,12 @@ def test_ctrl_c_in_the_quality_phase_keeps_the_checkpoint_and_says_so(tmp_path, 
     assert not (out / "quality.json").exists() and json.loads((out / MANIFEST_FILE).read_text())["files"]
     assert load_model(str(out), "cpu").mtp is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_init_from_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys, no_run):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*SMOKE, "--out", str(tmp_path / "o"), "--init-from", str(tmp_path / "nowhere")])
+    assert exc.value.code == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and "not a checkpoint directory" in lines[0]
+    assert not no_run and not (tmp_path / "o").exists()
