@@ -112,10 +112,12 @@ class _DigestingText:
 
 class AtomicJsonlWriter:
     """Collects lines in a temporary file beside ``path``; ``commit`` renames it into place.
-    Leaving the ``with`` block by an exception deletes the temporary file."""
+    Leaving the ``with`` block by an exception deletes the temporary file, and the directories
+    made for it, so a failed run leaves nothing behind."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(tmp)
@@ -143,6 +145,11 @@ class AtomicJsonlWriter:
         if not self.fh.closed:
             self.fh.close()
         self.tmp.unlink(missing_ok=True)
+        for made in self.made:  # innermost first; one that now holds something else stays
+            try:
+                made.rmdir()
+            except OSError:
+                break
 
     def __enter__(self):
         return self

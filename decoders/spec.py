@@ -137,6 +137,8 @@ class SpecDecoder:
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
             raise ValueError("max_depth must be within 0..15")
+        if self.fixed is not None and self.fixed < 0:
+            raise ValueError(f"depth must be >= 0 (0: plain steps only), not {self.fixed}")
         self.shortlist_path = shortlist
         self.head_dir = head
         self.head = None

@@ -6,10 +6,12 @@ from __future__ import annotations
 import datetime as _dt
 import signal
 import statistics
+import tempfile
 from pathlib import Path
 
 import click
 
+from core.devices import check_device
 from core.errors import Stopped, UserError
 from core.schema import AtomicJsonlWriter
 from harness.header import build_header, prompt_record, rank_info
@@ -33,6 +35,7 @@ def quiet_libraries() -> None:
 def run_time(opts: TimeOptions) -> Path | None:
     """``harness time``: the stream's path (None on a torchrun rank other than 0)."""
     stream_path = choose_stream_path(opts.decoder, opts.out_dir, opts.force)
+    check_device(opts.device)
     load = machine_load()
     from core import determinism  # pins before anything touches CUDA
 
@@ -59,6 +62,16 @@ def stop_on_sigterm(signum, frame):
     raise Stopped("SIGTERM")
 
 
+def check_writable(out_dir: Path, existing: Path) -> None:
+    """A file can be made in the nearest existing directory of ``out_dir`` (tried, then removed):
+    a directory nobody may write to, or a filesystem such as /proc, is refused before the model loads."""
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot write under {existing} ({exc.strerror or exc})") from None
+
+
 def choose_stream_path(decoder_spec: str, out_dir: Path | None, force: bool) -> Path:
     """DIR/stream.jsonl, refusing to replace an existing stream without --force, and refusing an
     --out that cannot be a directory, before anything heavy runs."""
@@ -67,6 +80,7 @@ def choose_stream_path(decoder_spec: str, out_dir: Path | None, force: bool) -> 
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise UserError(f"--out {out_dir}: {existing} is a file, not a directory; give a directory for stream.jsonl")
+    check_writable(out_dir, existing or Path("."))
     stream_path = out_dir / "stream.jsonl"
     if stream_path.is_dir():
         raise UserError(f"{stream_path} is a directory; choose another --out")
