@@ -10,6 +10,7 @@ import click
 
 from core.version import version_option
 from harness.commands.list import list_cmd
+from harness.commands.serve import serve_cmd
 from harness.commands.time import time_cmd
 
 
@@ -25,6 +26,7 @@ def main():
 
 main.add_command(list_cmd)
 main.add_command(time_cmd)
+main.add_command(serve_cmd)
 
 
 if __name__ == "__main__":
