@@ -1,10 +1,12 @@
 """``harness serve``: parse the options, then serve one exact decoder over OpenAI's HTTP API."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import click
 
+from core.errors import UserError
 from core.version import version_option
 from harness.commands.common import run_cli
 from harness.serve.options import ServeOptions
@@ -51,8 +53,17 @@ def serve_cmd(**options):
     opts = ServeOptions(**{**options, "decoder_args": tuple(options["decoder_args"])})
 
     def serve():
+        require_extra()
         from harness.serve.run import run_serve  # fastapi, uvicorn, torch: only when serving
 
         run_serve(opts)
 
     run_cli(serve)
+
+
+def require_extra() -> None:
+    """fastapi and uvicorn are optional: without them, one line that says how to get them."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"harness serve needs the [serve] extra ({', '.join(missing)} not installed): "
+                        "pip install 'qwen35-exact[serve]'")

@@ -54,14 +54,13 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         check_supported(body, limits)
-        job = Job(f"cmpl-{uuid.uuid4().hex}", completion_prompt(body, limits), max_new_tokens(body, limits), None)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", completion_prompt(body, limits), max_new_tokens(body, limits))
         return await answer(request, job, R.COMPLETION, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_supported(body, limits)
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", None, max_new_tokens(body, limits), None,
-                  messages=chat_messages(body))
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", None, max_new_tokens(body, limits), messages=chat_messages(body))
         return await answer(request, job, R.CHAT, body)
 
     async def answer(request: Request, job: Job, kind: str, body) -> Response:
@@ -170,7 +169,7 @@ def failure(event) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape: validation 400, unknown route 404, anything else 500."""
+    """Every error in OpenAI's shape: validation 400, unknown route 404, a fault 500."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
@@ -180,6 +179,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def bad(request, exc: BadRequest):
         return JSONResponse(R.error(400, str(exc), exc.param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def fault(request, exc: Exception):
+        return JSONResponse(R.error(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http(request, exc: HTTPException):
         return JSONResponse(R.error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
@@ -187,17 +190,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def validation_message(errors) -> str:
-    """pydantic's errors as one line: ``field: what is wrong``; malformed JSON said as such."""
-    parts = []
-    for e in errors[:4]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+    """pydantic's errors as one line, one clause per field: ``field: what is wrong``. A field of
+    several accepted types (prompt, content, stop) that matches none is said so once."""
+    by_field: dict[str, list[dict]] = {}
+    for e in errors:
         if e.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
-        elif e.get("type") == "extra_forbidden":
-            parts.append(f"{loc}: not a field this server knows (unknown fields are refused, not ignored)")
-        elif e.get("type") == "missing":
-            parts.append(f"{loc or 'body'}: required")
-        else:
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-    more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
-    return "invalid request: " + "; ".join(parts) + more
+            return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})"
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        by_field.setdefault(".".join(loc[:3] if loc[:1] == ["messages"] else loc[:1]) or "body", []).append(e)
+    parts = [field_message(name, errs) for name, errs in by_field.items()]
+    return "invalid request: " + "; ".join(parts)
+
+
+def field_message(name: str, errs: list[dict]) -> str:
+    kinds = {e.get("type") for e in errs}
+    if kinds == {"extra_forbidden"}:
+        return f"{name}: not a field this server knows (unknown fields are refused, not ignored)"
+    if "missing" in kinds and len(errs) == 1:
+        return f"{name}: required"
+    if name == "prompt":
+        return "prompt: must be a string or a list of token ids (integers)"
+    if len(errs) > 1:
+        return f"{name}: wrong type or value ({errs[0].get('msg')})"
+    return f"{name}: {errs[0].get('msg')}"

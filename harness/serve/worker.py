@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from core.errors import UserError
+from core.records import append_record, generation_record
 
 log = logging.getLogger("harness.serve")
 
@@ -128,12 +129,12 @@ class DecodeWorker:
         except Exception as exc:  # noqa: BLE001 - a decoder fault fails this request, not the server
             log.exception("serve: %s failed", job.id)
             return self._finish(job, "error", exc, "failed")
+        log.info(stats_line(job, gen, queued=started - job.queued_at))  # before the answer goes out
         if gen.finish_reason == "cancelled":
             self._finish(job, "done", gen, "cancelled")
         else:
             self._record(job, gen)
             self._finish(job, "done", gen, "finished")
-        log.info(stats_line(job, gen, queued=started - job.queued_at))
 
     def _encode(self, job: Job) -> list[int]:
         if job.messages is not None:
@@ -151,8 +152,10 @@ class DecodeWorker:
             return
         try:
             self.on_finished(job, gen)
-        except Exception:  # noqa: BLE001 - the answer stands; the record's loss is logged
-            log.exception("serve: %s: could not record the answer", job.id)
+        except UserError as exc:  # the file became unwritable: the answer stands, the loss is logged
+            log.error("serve: %s: not recorded: %s", job.id, exc)
+        except Exception:  # noqa: BLE001 - likewise, with the traceback of the unexpected
+            log.exception("serve: %s: not recorded", job.id)
 
     def _finish(self, job: Job, kind: str, payload, counter: str) -> None:
         self._count(counter)
@@ -170,3 +173,13 @@ def stats_line(job: Job, gen, queued: float) -> str:
 
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def recorder(path, decoder) -> Callable:
+    """--record FILE: each finished answer as one line of ``audit tokens`` shape (a), with the
+    request's max_new_tokens so that the audit knows where serial decoding stops."""
+    def write(job: Job, gen) -> None:
+        append_record(path, generation_record(job.id, gen.prompt_ids, gen.token_ids, job.max_new_tokens,
+                                              decoder.name, decoder.model.name))
+
+    return write
