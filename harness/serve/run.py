@@ -35,7 +35,10 @@ def run_serve(opts: ServeOptions) -> None:
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name} with decoder {dec.name} on http://{shown}:{port}/v1", flush=True)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
-    CancellingServer(config, worker).run(sockets=[sock])
+    try:
+        CancellingServer(config, worker).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: the normal way to stop
+        print("stopped", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:
