@@ -201,6 +201,7 @@ def test_a_full_queue_is_429_and_the_others_are_answered(served, client):
     before = health(server)["requests"]
     drain(worker)
     fake.gate.clear()
+    fake.started.clear()
     answers = {}
 
     def ask(name, prompt):
@@ -231,6 +232,7 @@ def test_a_client_dropped_mid_stream_cancels_its_decode(served, client):
     server, fake, worker, record = served
     before = health(server)["requests"]
     fake.gate.clear()
+    fake.started.clear()
     try:
         stream = client.completions.create(model="fake-model", prompt=[21], max_tokens=LIMIT, stream=True)
         first = next(c for c in stream if c.choices[0].token_ids)  # the decode is held at the gate
@@ -253,6 +255,7 @@ def test_a_client_that_leaves_while_queued_is_never_decoded(served, client):
     before = health(server)["requests"]
     drain(worker)
     fake.gate.clear()
+    fake.started.clear()
     try:
         holder = threading.Thread(target=client.completions.create,
                                   kwargs={"model": "fake-model", "prompt": [31], "max_tokens": 2})
@@ -289,3 +292,33 @@ def test_a_failing_decode_is_500_and_the_server_stays_up(served, client):
     assert client.completions.create(model="fake-model", prompt=[5], max_tokens=2).choices[0].token_ids == \
         fake.answer([5], 2)
     assert health(server)["requests"]["failed"] == before["failed"] + 2
+
+
+def test_without_the_extra_the_command_says_how_to_get_it(monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    result = CliRunner().invoke(main, ["serve"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: harness serve needs the [serve] extra (uvicorn not installed): pip install 'qwen35-exact[serve]'"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--record", "/nonexistent-dir/r.jsonl"], "does not exist"),
+    (["--decoder-arg", "depth"], "expected KEY=VALUE"),
+    (["--device", "gpu"], "device 'gpu' is not supported"),
+    (["--port", "70000"], "70000"),
+])
+def test_bad_options_are_one_error_line_before_any_load(argv, says):
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--model", "tiny", *argv])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
