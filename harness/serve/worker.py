@@ -4,8 +4,8 @@ The GPU runs one decode, so requests wait in a queue of ``queue_size`` places; a
 it full is refused at once (``submit`` returns False, the app answers 429). A job reports through
 ``job.emit(kind, payload)``, called from the worker thread: ("prompt", ids) once its prompt is
 encoded, ("tokens", (ids, text)) per emitted batch, then exactly one of ("done", Generation | None)
-or ("error", exception). A job whose ``cancel`` is set stops at the decoder's next batch; one cancelled while it waits is skipped
-(its "done" payload is None). The worker thread does all the tokenizer's work (encoding prompts,
+or ("error", exception). A job whose ``cancel`` is set stops at the decoder's next batch; one
+cancelled while it waits is skipped (its "done" payload is None). The worker thread does all the tokenizer's work (encoding prompts,
 chat templates, detokenizing), so that the tokenizer is never used from two threads at once.
 Nothing here knows HTTP or asyncio.
 """
