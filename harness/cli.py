@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from core.version import version_option
+from harness.commands.generate import generate_cmd
 from harness.commands.list import list_cmd
 from harness.commands.serve import serve_cmd
 from harness.commands.time import time_cmd
@@ -24,6 +25,7 @@ def main():
     """
 
 
+main.add_command(generate_cmd)
 main.add_command(list_cmd)
 main.add_command(time_cmd)
 main.add_command(serve_cmd)
