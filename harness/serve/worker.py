@@ -5,8 +5,8 @@ it full is refused at once (``submit`` returns False, the app answers 429). A jo
 ``job.emit(kind, payload)``, called from the worker thread: ("prompt", ids) once its prompt is
 encoded, ("tokens", (ids, text)) per emitted batch, then exactly one of ("done", Generation | None)
 or ("error", exception). A job whose ``cancel`` is set stops at the decoder's next batch; one
-cancelled while it waits is skipped (its "done" payload is None). The worker thread does all the tokenizer's work (encoding prompts,
-chat templates, detokenizing), so that the tokenizer is never used from two threads at once.
+cancelled while it waits is skipped (its "done" payload is None). The worker thread does all the
+tokenizer's work (prompts, chat templates, text), so that no two threads use the tokenizer at once.
 Nothing here knows HTTP or asyncio.
 """
 from __future__ import annotations
