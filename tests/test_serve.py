@@ -72,7 +72,11 @@ class Server:
 def server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve"))
     yield s
-    assert s.stop() == 0, s.log()
+    assert s.stop() == 0, s.log()  # Ctrl-C is the normal way to stop it
+    rest = []
+    while (line := s.lines.get(timeout=BOUND)) is not None:
+        rest.append(line)
+    assert rest == [], "stdout carries only the address line; logs go to stderr"
 
 
 @pytest.fixture(scope="module")

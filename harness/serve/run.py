@@ -1,11 +1,13 @@
 """``run_serve``: load the decoder, bind the socket, print the address, serve."""
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import sys
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from core.errors import UserError
 from core.records import check_record_path
@@ -34,7 +36,7 @@ def run_serve(opts: ServeOptions) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name} with decoder {dec.name} on http://{shown}:{port}/v1", flush=True)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, log_level="info", log_config=log_config(), timeout_graceful_shutdown=10)
     try:
         CancellingServer(config, worker).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: the normal way to stop
@@ -49,6 +51,13 @@ def listen(host: str, port: int) -> socket.socket:
     except (OSError, OverflowError) as exc:
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def log_config() -> dict:
+    """uvicorn's logging, with its access lines on stderr too: stdout carries only the address line."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def setup_logging() -> None:
