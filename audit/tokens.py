@@ -71,6 +71,7 @@ class Generation:
     prompt_text: str | None = None
     explicit_id: bool = False
     padded: bool = False  # shape (c): ``generate`` pads finished rows after their EOS
+    max_new_tokens: int | None = None  # the line's own N, where it gives one
 
 
 @dataclass
@@ -146,9 +147,17 @@ def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
         padded = False
     else:
         raise UserError(f"{where}: lacks 'output_token_ids' (or 'outputs', or 'sequences'): no output to audit")
+    own_n = rec.get("max_new_tokens")
+    if own_n is not None and (isinstance(own_n, bool) or not isinstance(own_n, int) or own_n < 1):
+        raise UserError(f"{where}: 'max_new_tokens' must be a positive integer")
     many = len(outputs) > 1
-    return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded)
-            for k, out in enumerate(outputs)]
+    return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded,
+                       own_n) for k, out in enumerate(outputs)]
+
+
+def n_of(g: Generation, n: int) -> int:
+    """The N an output is judged against: its line's own ``max_new_tokens``, else the run's."""
+    return g.max_new_tokens or n
 
 
 def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
@@ -286,9 +295,9 @@ def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int]
     eos = set(model.eos_token_ids)
     groups: dict[tuple, list[Generation]] = {}
     for g in gens:
-        groups.setdefault(tuple(g.prompt_ids), []).append(g)
+        groups.setdefault((tuple(g.prompt_ids), n_of(g, n)), []).append(g)
     walked, positions, t0 = {}, 0, time.perf_counter()
-    for k, (prompt, members) in enumerate(groups.items(), start=1):
+    for k, ((prompt, own_n), members) in enumerate(groups.items(), start=1):
         wanted = {partings[g.id] for g in members if g.id in partings}
         kept: dict[int, torch.Tensor] = {}
 
@@ -296,9 +305,9 @@ def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int]
             if i in wanted:
                 kept[i] = logits.float().clone()
 
-        results, greedy = replay_prompt(stepper, list(prompt), [tuple(g.output) for g in members], n, eos,
+        results, greedy = replay_prompt(stepper, list(prompt), [tuple(g.output) for g in members], own_n, eos,
                                         observe=observe)
-        walked[prompt] = Walked(results, kept)
+        walked[prompt, own_n] = Walked(results, kept)
         positions += len(greedy)
         if log:
             diverged = sum(results[tuple(g.output)] is not None for g in members)
@@ -360,7 +369,8 @@ def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pa
     entries = []
     counts = {"exact": 0, NEAR_TIE: 0, REAL: 0, STOP: 0}
     for g in gens:
-        div = walked[tuple(g.prompt_ids)].results[tuple(g.output)]
+        walk = walked[tuple(g.prompt_ids), n_of(g, n)]
+        div = walk.results[tuple(g.output)]
         first = divergence_json(div, dtype, opts.tie_margin) if div else None
         counts["exact" if first is None else first["class"]] += 1
         entry = {"id": g.id, "line": g.line, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output),
@@ -368,7 +378,7 @@ def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pa
                  "first_divergence": first}
         if pairs is not None:
             ref = pairs[g.id]
-            entry["reference"] = (parting_json(model, g, ref, div, walked[tuple(g.prompt_ids)], dtype, opts.tie_margin, n)
+            entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n))
                                   if ref is not None else None)
         entries.append(entry)
     doc = {

@@ -277,7 +277,7 @@ class SpecDecoder:
         return drafts
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy(len(prompt_ids))
@@ -287,6 +287,8 @@ class SpecDecoder:
             pending = self._prefill(prompt_ids)
             tokens = [int(pending.y.item())]
         stats.forwards += 1
+        if on_tokens is not None:
+            on_tokens(tokens[:])
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
@@ -322,7 +324,11 @@ class SpecDecoder:
                 stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
             stats.forwards += len(new) if depth == 0 else 1
-            tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
+            new = new[:stop_index(new, eos, max_new_tokens - len(tokens))]
+            tokens += new
+            if on_tokens is not None:
+                on_tokens(new)
+                last = time.perf_counter()  # the callback's time belongs to no round
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
         return DecodeResult(tokens, stats)
@@ -452,14 +458,14 @@ class InstrumentedSpecDecoder(SpecDecoder):
         self.reference[tuple(prompt_ids)] = ref
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         key = tuple(prompt_ids)
         if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
             self.prepare_prompt(prompt_ids, max_new_tokens)
         self._ref = self.reference[key]
         self._row = self.trace.row_for(prompt_ids) if self.trace is not None else None
         self._rng = torch.Generator().manual_seed(self.seed)  # the same substitutions on every leg
-        return super().decode(prompt_ids, max_new_tokens)
+        return super().decode(prompt_ids, max_new_tokens, on_tokens=on_tokens)
 
     def right(self, emitted: int, k: int) -> bool:
         """Whether the round's k-th draft (1-based) is to be the control's token; the round

@@ -9,7 +9,9 @@ from __future__ import annotations
 import click
 
 from core.version import version_option
+from harness.commands.generate import generate_cmd
 from harness.commands.list import list_cmd
+from harness.commands.serve import serve_cmd
 from harness.commands.time import time_cmd
 
 
@@ -23,8 +25,10 @@ def main():
     """
 
 
+main.add_command(generate_cmd)
 main.add_command(list_cmd)
 main.add_command(time_cmd)
+main.add_command(serve_cmd)
 
 
 if __name__ == "__main__":
