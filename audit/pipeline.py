@@ -151,7 +151,7 @@ def check_writable(out_path: Path) -> None:
         os.close(fd)
         os.unlink(tmp)
         return
-    existing = next((a for a in parent.parents if a.exists()), Path("."))
+    existing = next((a for a in (parent, *parent.parents) if a.exists()), Path("."))
     if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
         raise BadInput(f"cannot write {out_path}: {existing} is not a writable directory")
 
