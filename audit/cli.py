@@ -43,7 +43,8 @@ def main():
 @click.option("--out", "out_path", default=None, metavar="AUDIT_JSON",
               help="Where to write the audit (one STREAM only). Default: audit.json beside each STREAM.")
 @click.option("--device", default=None,
-              help="torch device for the replay. Default: the recording device's type if present, else cpu.")
+              help="Device for the replay: cpu, cuda or cuda:N (where present). Default: the recording device's "
+                   "type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
               help="Replay even on a device other than the recording one (a warning, not a refusal).")
 @click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True, help="Score ceiling S_max.")
@@ -110,7 +111,9 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 @click.argument("file", metavar="FILE", type=click.Path(path_type=Path))
 @click.option("--model", "model_spec", required=True, metavar="MODEL",
               help="The model that generated FILE (built-in name or checkpoint dir).")
-@click.option("--device", default=None, help="torch device for the pristine path. Default: cuda if available, else cpu.")
+@click.option("--device", default=None,
+              help="Device for the pristine path: cpu, cuda or cuda:N (where present). Default: cuda if available, "
+                   "else cpu.")
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="JSON",
               help="Where to write the document; '-' writes it to stdout (the table then goes to stderr). "
                    "Default: audit_tokens.json beside FILE.")
