@@ -174,6 +174,23 @@ def check_reference(header: dict) -> list[dict]:
     return []
 
 
+def check_control_code(header: dict) -> list[dict]:
+    """The harness's check of the control's code before it timed (``control_code`` in the header):
+    a file it found changed fails the run; a stream that records no check is only said to lack it
+    (``audit retime`` checks the code again before its own workers start)."""
+    code = header.get("control_code")
+    if not isinstance(code, dict):
+        return [finding("control-code-unchecked", "warn", None,
+                        "the header records no check of the control's code; `audit retime` checks it")]
+    modified = code.get("modified")
+    if not isinstance(modified, list):
+        return [finding("control-code-modified", "fail", None, "the header's control_code.modified is not a list")]
+    paths = [m.get("path") if isinstance(m, dict) else m for m in modified]
+    return [finding("control-code-modified", "fail", None,
+                    f"the harness found {path!r} changed from its reference before timing: the control did "
+                    "not run the code it names", path=path) for path in paths]
+
+
 def check_instrument(header: dict) -> list[dict]:
     if header["candidate"].get("instrument") is True:
         return [finding("instrument", "warn", None,

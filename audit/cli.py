@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from core.version import version_option
 from core.errors import DistError, Stopped, UserError, fail
 
 from audit.stream import BadInput
@@ -31,12 +32,15 @@ def check_device_option(device: str | None) -> None:
 
     check_device(device)
 
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@version_option
 def main():
     """Independent audit of harness runs: exactness by replay, ratios from raw legs, tamper checks."""
 
 
 @main.command("replay")
+@version_option
 @click.argument("streams", metavar="STREAM...", nargs=-1, required=True)
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
               help="Model to replay with (built-in name or checkpoint dir). Default: the one the header names.")
@@ -108,6 +112,7 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 
 
 @main.command("tokens")
+@version_option
 @click.argument("file", metavar="FILE", type=click.Path(path_type=Path))
 @click.option("--model", "model_spec", required=True, metavar="MODEL",
               help="The model that generated FILE (built-in name or checkpoint dir).")
@@ -158,6 +163,7 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 
 
 @main.command("retime")
+@version_option
 @click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
@@ -178,8 +184,11 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
               help="Draw the fresh prompts from seed S (a retime.json's seed repeats its draw). Default: a secret "
                    "seed drawn for this retime, shown once every leg ran.")
+@click.option("--no-sandbox", "no_sandbox", is_flag=True,
+              help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
+                   "machine offers one; retime.json and the table then warn candidate-not-sandboxed.")
 def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch,
-               trust_plugin, seed):
+               trust_plugin, seed, no_sandbox):
     """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
@@ -194,7 +203,10 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     it fails (load-against-control) when most prompts ran their control on a machine loaded
     against it, and (stopped-by-others) when another process paused the control's worker or the
     audit itself. On a GPU it asks nvidia-smi every second which processes hold a context, and
-    fails (gpu-shared) when one is out of its reach. Details: docs/audit.md.
+    fails (gpu-shared) when one is out of its reach. Before the workers start, the control's code is
+    checked against git HEAD and the installed RECORDs (control-code-modified names a changed
+    file); the candidate's worker runs sandboxed where the machine allows (read-only filesystem, no
+    network, its processes dying with it). Details: docs/audit.md.
 
     Writes retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings,
     2 bad input.
@@ -203,7 +215,7 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
-                         trust_plugin=trust_plugin, seed=seed)
+                         trust_plugin=trust_plugin, seed=seed, sandbox=not no_sandbox)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:

@@ -122,6 +122,7 @@ def file_findings(run, model) -> tuple[list[dict], list[dict]]:
     findings += model_findings
     model_findings = [f for f in model_findings if f["severity"] == "fail"]  # a warning still replays
     findings += checks.check_instrument(run.header)
+    findings += checks.check_control_code(run.header)
     findings += checks.check_reference(run.header)
     findings += checks.check_prompt_set(run.header, run.prompts,
                                         reference_prompts(run.header, model, len(run.prompts)))

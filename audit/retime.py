@@ -76,10 +76,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.continues import ContinueCounter
+from core.provenance import check_control_code
 from core.prompts import RANDOM_SETS, SNIPPET_CHARS, parse_corpus_spec, snippet_at, snippet_files
 from core.schema import ROLES, abba_roles, loads
 
-from audit import checks
+from audit import checks, sandbox
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
                             load_replay_model, log, model_spec_from_header, pin_replay_environment, prompt_set_spec,
                             replay_device_json)
@@ -130,6 +131,7 @@ class RetimeOptions:
     device: str | None = None
     allow_device_mismatch: bool = False
     trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
+    sandbox: bool = True  # the candidate's worker in this machine's sandbox (audit.sandbox), where it has one
     seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
 
 
@@ -243,7 +245,8 @@ class Side:
         return ":" in self.spec
 
     def command(self, model_spec: str, device: str) -> list[str]:
-        return [sys.executable, "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
+        # isolated: no PYTHONPATH, no user site; a trusted plug-in keeps PYTHONPATH, where it is found
+        return [sys.executable, "-s" if self.plugin else "-I", "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
                 "--decoder", self.spec, "--decoder-args", json.dumps(self.args),
                 *(f"--decoder-arg={a}" for a in self.raw_args)]
 
@@ -290,15 +293,17 @@ class Worker:
     """One side's process; ``decode`` is timed by the caller. ``audit_continues`` counts the
     audit's own SIGCONTs, shared by both sides."""
 
-    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter):
+    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False):
         self.role = role
         self.audit_continues = audit_continues
         self.resumes = 0  # SIGCONTs the audit sent the worker
         self.continued: int | None = None  # SIGCONTs the worker last said it received
         self.continues_judged = 0  # of the others' continues, those already put down to a request
+        # a private pycache and temporary directory; for the candidate, the sandbox (audit.sandbox)
+        self.launch = sandbox.launch(command, sandboxed)
         # a session of its own: stopped as its process group and, through /proc, as its whole tree
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env=dict(os.environ), start_new_session=True)
+        self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1, env=self.launch.env, start_new_session=True)
         # orphans go with the candidate: the control is the audit's own decoder, which starts none
         self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
         self.ready = None
@@ -371,6 +376,7 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
         self.killed_at_close = self.tree.kill_members()
+        self.launch.cleanup()
 
 
 def request(workers: dict[str, Worker], role: str, prompt_ids: list[int],
@@ -480,7 +486,7 @@ def time_prompt(workers: dict[str, Worker], fp: FreshPrompt, max_new_tokens: int
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str,
-                  audit_continues: ContinueCounter) -> dict[str, Worker]:
+                  audit_continues: ContinueCounter, sandboxed: bool = True) -> dict[str, Worker]:
     """Both sides cold, in processes of their own; the candidate with its recorded arguments. The
     audit's children from before are no one's orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
@@ -488,7 +494,8 @@ def start_workers(sides: list[Side], model_spec: str, device: str,
     try:
         for side in sides:
             log(f"starting the {side.role}'s worker: {side.describe()}")
-            workers[side.role] = Worker(side.role, side.command(model_spec, device), audit_continues)
+            workers[side.role] = Worker(side.role, side.command(model_spec, device), audit_continues,
+                                        sandboxed=sandboxed and side.role == "candidate")
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():
@@ -754,6 +761,8 @@ def render_table(doc: dict) -> str:
         lines.append(f"GPU processes: asked {gpu['samples']} times, " + (
             f"not told: {gpu['unmeasured']}" if gpu["unmeasured"] and not gpu["foreign"] else
             f"{len(gpu['foreign'])} out of the audit's reach"))
+    lines.append(f"candidate sandbox: {sandbox_line(doc.get('sandbox'))}; control code: "
+                 f"{control_code_line(doc.get('control_code'))}")
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines.append(f"median ratio: recorded {fmt_ratio(doc['recorded_median_ratio'])} (the stream's "
@@ -764,6 +773,47 @@ def render_table(doc: dict) -> str:
     lines.append(f"retime took {doc['seconds']:.1f} s  verdict: {doc['verdict'].upper()}  candidate: "
                  f"{doc['candidate']['name']}" + ("  (instrument: never scored)" if doc["candidate"].get("instrument") else ""))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- provenance, sandbox
+
+
+def control_code(sides: list[Side]):
+    """The control's import closure checked against git HEAD / RECORD (``core.provenance``); None
+    where the check could not run. A plug-in control's own module joins the closure."""
+    control = next(s for s in sides if s.role == "control")
+    modules = ("harness.worker", "decoders", "decoders.serial", "core.models", "core.determinism")
+    try:
+        return check_control_code(modules + ((control.spec.partition(":")[0],) if control.plugin else ()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log(f"the control's code could not be checked: {exc}")
+        return None
+
+
+def control_code_findings(report) -> list[dict]:
+    if report is None:
+        return [checks.finding("control-code-unchecked", "warn", None, "the control's code could not be checked "
+                               "against git HEAD or RECORD: a changed file in its import closure would go unseen")]
+    return report.findings()
+
+
+def sandbox_findings(plan: "sandbox.Sandbox | None") -> list[dict]:
+    """``candidate-not-sandboxed`` (warn) where the candidate's worker ran without a sandbox."""
+    if plan is not None and plan.warning is None:
+        return []
+    why = plan.warning if plan is not None else f"{sandbox.NOT_SANDBOXED}: --no-sandbox"
+    return [checks.finding(sandbox.NOT_SANDBOXED, "warn", None, why)]
+
+
+def sandbox_line(sb: dict | None) -> str:
+    return "none (--no-sandbox)" if sb is None else sb["tool"] or "none"
+
+
+def control_code_line(cc: dict | None) -> str:
+    if cc is None:
+        return "not checked"
+    return (f"{cc['checked']} files against {cc['reference']}, "
+            + (f"{len(cc['modified'])} modified" if cc["modified"] else "unchanged") + f" ({cc['seconds']:.1f} s)")
 
 
 # --------------------------------------------------------------------------- the command
@@ -802,11 +852,14 @@ def retime(opts: RetimeOptions) -> int:
     if not tree_control():
         log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
+    provenance = control_code(sides)
     was_reaper = set_subreaper(True)
     gpu = GpuWatch().start() if watches_gpu(dev) else None  # before the workers: no orphan of theirs
     audit_continues = ContinueCounter().install()
     try:
-        workers = start_workers(sides, model_spec, dev, audit_continues)
+        findings += control_code_findings(provenance)
+        workers = start_workers(sides, model_spec, dev, audit_continues, opts.sandbox)
+        findings += sandbox_findings(workers["candidate"].launch.sandbox)
         try:
             time_looks(workers, (first_look, second_look), run.prompts, recorded[1], n, opts.legs, warmup, measured,
                        instrument=instrument)
@@ -839,5 +892,7 @@ def retime(opts: RetimeOptions) -> int:
     doc = build_document(run, sha, seed, how, fresh, timed, findings, recorded, n, opts.legs,
                          time.perf_counter() - started, exact, measured.remeasured, measured.second_look,
                          gpu_document(gpu))
+    doc["control_code"] = provenance.summary() if provenance is not None else None
+    doc["sandbox"] = workers["candidate"].launch.sandbox.describe() if workers["candidate"].launch.sandbox else None
     write_document(out_path, doc, render_table(doc))
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

@@ -548,7 +548,7 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     out_path = out_destination(opts)
     inputs = read_inputs(opts)
     gens, pairs = inputs.gens, inputs.pairs
-    dev = check_device(opts.device) or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = check_device(opts.device)  # None: cuda when present, else cpu
     try:
         model = load_model(opts.model, dev)
     except UserError as exc:

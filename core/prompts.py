@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from core.catalog import BUILTIN_PROMPTS  # noqa: F401 - re-exported
 from core.corpus import collect
 from core.errors import UserError
 from core.models import FIXTURES
@@ -32,17 +33,6 @@ from core.schema import jsonl_values, read_regular
 
 DEV_FILE = FIXTURES / "prompts" / "dev.jsonl"
 
-BUILTIN_PROMPTS = {
-    "dev": "10 varied prompts (prose, code, lists, dialogue, math), tokenized with the model's tokenizer",
-    "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
-    "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
-                          "for building shortlists and head data apart from the benchmark prompts",
-    "stdlib-train": "512 snippets of the Python stdlib's train split (core/corpus.py), for heads train; "
-                    "stdlib-train:N cuts N (any N >= 1, e.g. stdlib-train:2048)",
-    "stdlib-dev": "32 snippets of the Python stdlib's dev split (stdlib-dev:N for N)",
-    "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only "
-                      "(stdlib-heldout:N for N)",
-}
 # name -> (corpus split, default count); NAME:N asks for N snippets
 CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
 SNIPPET_CHARS = 400

@@ -23,6 +23,7 @@ audit's clock.
 """
 from __future__ import annotations
 
+import pkgutil
 import random
 import statistics
 import sys
@@ -101,9 +102,20 @@ def warmup_ids(seed: int, index: int, length: int, vocab_size: int, prompt_ids: 
 # module:attribute paths of single objects the timing rests on, re-resolved at every check
 WATCHED = ("time:perf_counter", "torch.cuda:synchronize", "torch.cuda:reset_peak_memory_stats",
            "torch.cuda:max_memory_allocated")
+
+
+def watched_modules() -> tuple[str, ...]:
+    """Every module of the harness package, found by walking it (so that moving code between its
+    modules cannot shrink the list), and the stream's schema and determinism settings."""
+    import harness  # this package: its path is what is walked
+
+    found = sorted(info.name for info in pkgutil.walk_packages(harness.__path__, "harness."))
+    return ("harness", *found, "core.schema", "core.determinism")
+
+
 # modules whose every function and class (and each of their classes' attributes) the timing and
-# the writing of the stream rest on; a module not loaded is skipped
-WATCHED_MODULES = ("harness.timing", "harness.cli", "core.schema", "core.determinism")
+# the writing of the stream rest on; a module not loaded when the run begins is skipped
+WATCHED_MODULES = watched_modules()
 
 
 def resolve(path: str):

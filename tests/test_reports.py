@@ -405,14 +405,14 @@ def test_harness_report_flag(tiny_harness_run):
 
 
 def test_harness_report_failure_keeps_the_stream(tiny_run, monkeypatch):
-    from harness import cli as harness_cli
+    from harness.commands.time import render_report
 
     def broken(summary, path):
         raise RuntimeError("no space left")
 
     monkeypatch.setitem(FIGURES, "speedup", broken)
     with pytest.raises(SystemExit) as exc:
-        harness_cli.render_report(tiny_run)
+        render_report(tiny_run)
     assert exc.value.code == 1
     assert sorted(p.name for p in tiny_run.iterdir()) == ["stream.jsonl"]
 
