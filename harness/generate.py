@@ -22,6 +22,7 @@ class GenerateOptions:
 
     prompt: str | None = None  # the prompt text; "-" reads stdin; None: --prompt-file, else stdin
     prompt_file: Path | None = None
+    prompt_ids: Path | None = None  # a JSON list of token ids (models without a tokenizer, such as synthetic-9b)
     chat: bool = False  # apply the chat template to the prompt as one user message
     model: str = DEFAULT_MODEL
     decoder: str = DEFAULT_DECODER
@@ -32,11 +33,30 @@ class GenerateOptions:
     record: Path | None = None  # append the prompt and output ids here (audit tokens shape (a))
 
 
-def read_prompt(opts: GenerateOptions, stdin=None) -> str:
-    """The prompt text from the argument, --prompt-file or stdin; empty or unreadable is refused."""
+def read_prompt_ids(path: Path) -> list[int]:
+    """A JSON list of token ids from ``path``: non-negative integers (not booleans), at least one."""
+    try:
+        ids = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"--prompt-ids {str(path)!r}: cannot read a JSON list of token ids ({exc})") from None
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise UserError(f"--prompt-ids {str(path)!r}: expected a non-empty JSON list of non-negative integers")
+    return ids
+
+
+def read_prompt(opts: GenerateOptions, stdin=None) -> str | list[int]:
+    """The prompt: token ids from --prompt-ids, else text from the argument, --prompt-file or stdin;
+    empty or unreadable is refused."""
     stdin = stdin if stdin is not None else sys.stdin
-    if opts.prompt is not None and opts.prompt_file is not None:
-        raise UserError("give the prompt as an argument or with --prompt-file, not both")
+    given = [name for name, value in (("a PROMPT argument", opts.prompt), ("--prompt-file", opts.prompt_file),
+                                      ("--prompt-ids", opts.prompt_ids)) if value is not None]
+    if len(given) > 1:
+        raise UserError(f"give the prompt one way, not as {' and '.join(given)}")
+    if opts.prompt_ids is not None:
+        if opts.chat:
+            raise UserError("--chat applies a template to text; --prompt-ids are already token ids")
+        return read_prompt_ids(opts.prompt_ids)
     if opts.prompt_file is not None:
         try:
             text = Path(opts.prompt_file).read_text(encoding="utf-8")
@@ -86,7 +106,10 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
 
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
     dec = open_decoder(opts.model, opts.decoder, device=opts.device, **kwargs)
-    ids = dec.encode_chat([{"role": "user", "content": text}]) if opts.chat else dec.encode(text)
+    if isinstance(text, list):
+        ids = text
+    else:
+        ids = dec.encode_chat([{"role": "user", "content": text}]) if opts.chat else dec.encode(text)
 
     def stream(new_ids, new_text):
         if new_text:

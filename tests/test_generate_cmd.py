@@ -147,3 +147,40 @@ def test_subprocess_streams_hf_greedy_text(small):
     want = hf_greedy(small, tok.encode(PROMPT), 16)
     assert proc.stdout == tok.decode(want, skip_special_tokens=True)
     assert proc.stderr.strip().splitlines()[-1].startswith(f"{len(want)} tokens (")
+
+
+def test_prompt_ids_from_a_file_decode_those_ids(tmp_path):
+    """A model without a tokenizer (synthetic-9b) takes its prompt as token ids."""
+    from click.testing import CliRunner
+
+    from decoders.api import open_decoder
+    from harness.cli import main
+
+    ids = [5, 17, 42, 99, 3, 250]
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(ids))
+    result = CliRunner().invoke(main, ["generate", "--prompt-ids", str(path), "--model", "tiny", "--device", "cpu",
+                                       "--decoder", "fast-serial", "-n", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    serial = open_decoder("tiny", "serial", device="cpu").generate(ids, 8)
+    assert doc["prompt_ids"] == ids and doc["token_ids"] == serial.token_ids
+
+
+@pytest.mark.parametrize("content, extra, words", [
+    ("[1, true]", (), "non-negative integers"),
+    ("[]", (), "non-negative integers"),
+    ("not json", (), "cannot read a JSON list"),
+    ("[1, 2]", ("--chat",), "--chat applies a template"),
+    ("[1, 2]", ("some text",), "one way"),
+])
+def test_bad_prompt_ids_are_one_line(tmp_path, content, extra, words):
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    path = tmp_path / "ids.json"
+    path.write_text(content)
+    result = CliRunner().invoke(main, ["generate", "--prompt-ids", str(path), "--model", "tiny", "--device", "cpu",
+                                       *extra])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output

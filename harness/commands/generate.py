@@ -16,6 +16,9 @@ from harness.generate import GenerateOptions, run_generate  # torch loads only w
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Read the prompt text from FILE (UTF-8) instead of the PROMPT argument.")
+@click.option("--prompt-ids", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Read the prompt as token ids, a JSON list in FILE (for models without a tokenizer, "
+                   "such as synthetic-9b), instead of text.")
 @click.option("--chat", is_flag=True,
               help="Apply the tokenizer's chat template to the prompt as one user message, with the "
                    "assistant's turn opened (Qwen's ChatML layout when the tokenizer has no template).")
@@ -37,8 +40,8 @@ from harness.generate import GenerateOptions, run_generate  # torch loads only w
 def generate_cmd(json_out, **options):
     """Generate a greedy continuation of PROMPT with an exact decoder, streaming the text.
 
-    The prompt is PROMPT, the text of --prompt-file, or stdin (PROMPT "-", or no PROMPT with
-    stdin not a terminal). The text goes to stdout as the decoder emits it; a stats line (tokens,
+    The prompt is PROMPT, the text of --prompt-file, token ids from --prompt-ids, or stdin
+    (PROMPT "-", or no PROMPT with stdin not a terminal). The text goes to stdout as the decoder emits it; a stats line (tokens,
     seconds, tokens/s, time to first token, mean accepted length, drafted/accepted) goes to stderr
     at the end. The tokens are exactly serial greedy decoding's: it stops right after the first
     EOS, or after N tokens.
