@@ -206,7 +206,9 @@ class Runtime:
 
     def thread_set(self) -> set[tuple[int, str]]:
         """Every live Python thread as (ident, label): threading's (with name and daemon flag) and
-        any other thread that runs Python code (``_thread.start_new_thread``), from its frame."""
+        any other thread that runs Python code (``_thread.start_new_thread``), from its frame. Such
+        a thread has no frame before it first holds the GIL, so it shows from the first check after
+        it began to run: after the leg it first slowed."""
         named = {t.ident: f"thread {t.name!r} ({'daemon' if t.daemon else 'non-daemon'})"
                  for t in self._enumerate() if t.ident is not None}
         return {(ident, named.get(ident, f"thread {ident} (not a threading.Thread)"))
@@ -246,7 +248,7 @@ def describe(value) -> str:
 
 def record_label(rec) -> str:
     if isinstance(rec, dict) and rec.get("type") == "leg":
-        return f"leg {rec.get('role')}#{rec.get('leg')}"
+        return f"leg {rec.get('role')}#{rec.get('leg')} of prompt {rec.get('prompt_id')}"
     return f"a {rec.get('type')} record" if isinstance(rec, dict) else "a non-record"
 
 
@@ -260,8 +262,9 @@ def record_changes(held: list, own: list[dict]) -> str | None:
     if held == own:
         return None
     i = next((i for i, (a, b) in enumerate(zip(held, own)) if differs(a, b)), None)
-    if i is None:
-        return f"{len(held)} records where the harness made {len(own)}"
+    if i is None:  # named by the last record the harness made, so that each prompt's report is its own
+        after = f", the last {record_label(own[-1])}" if own else ""
+        return f"{len(held)} records where the harness made {len(own)}{after}"
     a, b = held[i], own[i]
     fields = sorted(k for k in (a.keys() | b.keys()) if differs(a.get(k), b.get(k))) if isinstance(a, dict) else []
     return f"record {i} ({record_label(b)}) changed" + (f": {', '.join(map(str, fields))}" if fields else "")
@@ -359,7 +362,8 @@ def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, 
                 device: torch.device, clock: Clock, watch: Watch | None = None, on_leg=None) -> list[dict]:
     """Warm both decoders up on ``warmup`` (another prompt of the same length), then run ``legs``
     legs of each in ABBA order. Returns the leg records in the order they ran, each followed by
-    the violation records its integrity check found (when ``watch`` is given)."""
+    the violation records its integrity check found (when ``watch`` is given: then the Watch's
+    copies of them, as made)."""
     records = []
     if watch is not None:
         watch.begin_records()
@@ -385,7 +389,8 @@ def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, 
             records += watch.check(f"after leg {role}#{rec['leg']} of prompt {prompt.id}", clock, records)
         if on_leg:
             on_leg(rec)
-    return records
+    # the harness's own copies: what it measured, whatever a decoder did to the list it held
+    return records if watch is None else list(watch.ledger)
 
 
 def summarize_prompt(prompt_id: str, legs: list[dict]) -> dict:
