@@ -161,9 +161,12 @@ def test_rounds_are_timed_online_unless_switched_off(tiny, prompts):
         stats = dec.decode(prompts[0], 30).stats.to_json()
         timed, trace = stats["policy"]["timed_rounds"], stats["depth_trace"]
         assert len(stats["policy"]["round_ms"]) == 4 and dec.config()["online_costs"] is online
+        # a probe is a depth-0 entry of the trace priced by observe_probe, never a timed round;
+        # whether one comes within 30 tokens depends on the measured times
+        probes = stats["probes"]
         if online:  # every plain step, and every drafting round that follows another, is timed
-            assert sum(timed) == sum(1 for i, d in enumerate(trace) if d == 0 or i == 0 or trace[i - 1] > 0)
-            assert timed[0] == trace.count(0)
+            assert sum(timed) == sum(1 for i, d in enumerate(trace) if d == 0 or i == 0 or trace[i - 1] > 0) - probes
+            assert timed[0] == trace.count(0) - probes
         else:
             assert sum(timed) == 0
     with pytest.raises(ValueError):
