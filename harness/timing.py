@@ -219,7 +219,8 @@ class Runtime:
         for key, value in self.start.items():
             if now.get(key) != value:
                 out.append(f"{key} changed: the run began with {describe(value)}, now {describe(now.get(key))}")
-        out += [f"{label} is alive, started since the run began" for _, label in sorted(self.thread_set() - self.threads)]
+        new_threads = sorted(self.thread_set() - self.threads)
+        out += [f"{label} is alive, started since the run began" for _, label in new_threads]
         return out
 
 

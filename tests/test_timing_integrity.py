@@ -294,8 +294,9 @@ def test_watch_reads_the_runtime(monkeypatch):
     finally:
         sys.setprofile(None)
         gc.set_threshold(*threshold)
-    assert problems == ["sys.setprofile hook changed: the run began with None, now test_watch_reads_the_runtime.<locals>.<lambda>",
-                        f"gc thresholds changed: the run began with {threshold}, now {(threshold[0] + 1, *threshold[1:])}"]
+    assert problems == [
+        "sys.setprofile hook changed: the run began with None, now test_watch_reads_the_runtime.<locals>.<lambda>",
+        f"gc thresholds changed: the run began with {threshold}, now {(threshold[0] + 1, *threshold[1:])}"]
     assert watch.check("restored", clock) == []
 
 
@@ -357,7 +358,8 @@ def test_watch_overhead_per_leg_is_small():
     watch.begin_records()
     records = []
     for i in range(8):
-        rec = {"type": "leg", "role": "control", "leg": i, "wall_s": 0.1, "tokens": list(range(64)), "stats": {"forwards": 64}}
+        rec = {"type": "leg", "role": "control", "leg": i, "wall_s": 0.1, "tokens": list(range(64)),
+               "stats": {"forwards": 64}}
         records.append(rec)
         watch.note_record(rec)
     best = min(cpu_seconds(lambda: watch.check("leg", clock, records), 20) for _ in range(5))
