@@ -50,7 +50,9 @@ from decoders.trace import load as load_trace
 
 class PhaseTimer:
     """Time per decode phase: CUDA events on the GPU (read once at the end), host clock on CPU.
-    ``with timer.phase("verify"): ...`` times one phase; phases do not nest."""
+    ``with timer.phase("verify"): ...`` times one phase; phases do not nest. Phases: ``step``
+    (plain steps, probes' steps included), ``draft``, ``verify`` (the windows), ``rollback``,
+    ``other`` (the prefill)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -316,7 +318,7 @@ class SpecDecoder:
             elif depth == 0 or drafting:
                 policy.observe(depth, now - last, len(new) if depth == 0 else 1)
             if depth == 0:  # plain steps' time, by the host clock (a probe's draft is in its phase)
-                timer.add("verify", now - step_from)
+                timer.add("step", now - step_from)
             if draft is not None:
                 hit = int(draft.item()) == new[0]
                 policy.update(1, int(hit))
