@@ -17,6 +17,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   serve       bench/serve_bench.py on synthetic-9b: time to first token and tokens/s of `spec` through
               `harness serve` (the openai client), `harness generate` and `harness time`, side by side,
               every answer compared with the recorded serial tokens
+  retime-9b   `audit retime` on synthetic-9b streams inside the sandbox: CUDA checked inside it first,
+              then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
+              `harness time` and retimed on fresh prompts; the table of claimed and verified ratios
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -81,6 +84,30 @@ def spec_bench_steps(out: str, configs: list[str], common: list[str]) -> list[St
     return steps
 
 
+# CUDA inside the candidate's sandbox: the plan's tool, then a kernel run through it
+SANDBOX_CUDA = ("import subprocess, sys; from audit import sandbox; "
+                "launch = sandbox.launch([sys.executable, '-I', '-c', 'import torch; x = torch.ones(4, device=\"cuda\"); "
+                "print(torch.cuda.get_device_name(), (x * 2).sum().item())'], sandbox=True); "
+                "print('sandbox:', launch.sandbox.tool, launch.sandbox.warning); "
+                "subprocess.run(launch.argv, env=launch.env, check=True); launch.cleanup()")
+RETIME_9B = {"fs": ("--decoder", "fast-serial"),
+             "inst-0.85": ("--decoder", "spec-instrument", "--decoder-arg", "alpha=0.85",
+                           "--decoder-arg", f"shortlist={SHORTLIST_9B}")}
+
+
+def retime_steps(out: Path) -> list[Step]:
+    steps = [Step("sandbox-cuda", (PY, "-c", SANDBOX_CUDA))]
+    for key, args in RETIME_9B.items():
+        steps.append(Step(f"time-{key}", (PY, "-m", "harness", "time", *args, "--model", "synthetic-9b",
+                                          "--prompts", "random-512", "--limit", "3", "-n", "128", "--legs", "2",
+                                          "--force", "--out", str(out / key)), done=f"retime/{key}/stream.jsonl"))
+        # exit 1 = findings: the table shows them
+        steps.append(Step(f"retime-{key}", (PY, "-m", "audit", "retime", str(out / key / "stream.jsonl"),
+                                            "--prompts", "3"), ok=(0, 1)))
+    steps.append(Step("table", ("sh", "-c", f'{PY} bench/retime_table.py "{out}"/*/retime.json')))
+    return steps
+
+
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
@@ -101,6 +128,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "serve":
         return [Step("serve", (PY, "bench/serve_bench.py", "--model", "synthetic-9b", "--decoder", "spec",
                                "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
+    if name == "retime-9b":
+        return retime_steps(out / "retime")
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
@@ -108,7 +137,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "tests-cuda", "suite")
+SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 
