@@ -131,12 +131,17 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     clock = PerfClock()
     try:
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues)
-        progress = Progress(2 * ctx.opts.legs * len(draw.first), clock)
+        # the decoders' own word on what they are, against the header's: a stream about another
+        # decoder than the one that runs is not retimed
+        disagree = judge.header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
+        findings += disagree
+        progress = Progress(0 if disagree_fails(disagree) else 2 * ctx.opts.legs * len(draw.first), clock)
         # the decoder's own word on whether it is an instrument, not the header's
         m = Measurement(workers, ctx.max_new_tokens, ctx.opts.legs, ctx.warmup_tokens, clock,
                         instrument=workers["candidate"].instrument, progress=progress)
         try:
-            time_looks(m, (draw.first, draw.second), measured, judge.falls_short(ctx.claimed["ratio"], ctx.seed))
+            if not disagree_fails(disagree):
+                time_looks(m, (draw.first, draw.second), measured, judge.falls_short(ctx.claimed["ratio"], ctx.seed))
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         finally:
@@ -155,7 +160,6 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
 def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:
     workers, measured, gpu = measure(ctx, sides, draw, findings)
     header = ctx.run.header
-    findings += judge.header_findings(header, workers, ctx.opts.allow_device_mismatch)
     findings += judge.process_findings(workers)
     findings += judge.gpu_findings(gpu)
     findings += judge.stop_findings(measured.timed)
@@ -175,12 +179,18 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     disqualified = failed or instrument or header["control"].get("name") != "serial"
     verified = judge.verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
     verdict = "fail" if failed else ("pass" if verified["ratio"] is not None else "unverified")
+    if not timed:
+        log("nothing was timed: no verified figures")
     return finish(ctx, Outcome(**base(ctx), source=draw.source, verdict=verdict, findings=findings,
                                verified=verified, instrument=instrument, fresh=[fp for fp, _ in measured.ran],
                                timed=timed, exact={p.id: not replayed[p.id].divergences for p in timed},
                                remeasured=measured.remeasured, second_look=measured.second_look,
                                gpu_processes=gpu_document(gpu),
                                unverified_reason=None if verified["ratio"] is not None else "no prompt was timed"))
+
+
+def disagree_fails(found: list[dict]) -> bool:
+    return any(f["severity"] == "fail" for f in found)
 
 
 def watches_gpu(device: str) -> bool:
