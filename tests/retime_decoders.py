@@ -318,7 +318,7 @@ class SerialSpeed(SerialDecoder):
 
     name = "serial-speed"
 
-    def __init__(self, slow: float = 0.25):
+    def __init__(self, slow: float = 0.5):
         super().__init__()
         self.slow = slow
 

@@ -64,9 +64,10 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
                [{"id": f"p{i}", "text": text} for i, text in enumerate(["a b a", "b a b", "a a b"])])
     prompts = write_prompts(tmp_path / "prompts.jsonl", entries)
     stream = run_harness(tmp_path / "space", "retime_decoders:PrecomputedSpace", limit=PROMPTS, n=N, legs=LEGS,
-                         extra=("--prompts", str(prompts), "--decoder-arg", f"prompts={prompts}"))
+                         extra=("--prompts", str(prompts), "--decoder-arg", f"prompts={prompts}",
+                                "--decoder-arg", "answer_s=0.03"))  # steady answers: no warm-leg flag
     result, doc = run_audit(stream)
-    assert doc["exact"] and doc["median_ratio"] > 3, result.output  # the in-process claim looks great
+    assert doc["exact"] and doc["median_ratio"] > 2, result.output  # the in-process claim looks good
 
     result, doc = run_retime(stream, "--trust-plugin")
     assert_fails(result, doc, "claim-not-reproduced")

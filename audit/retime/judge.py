@@ -28,12 +28,12 @@ from audit.stream import PromptRun
 # A claim more than this far above the top of the verified interval fails. In-process and
 # separate-process timings of an honest decoder differ: the harness times both sides in one
 # process, where the candidate's first leg follows the control's on the same prompt, the retime
-# each side in a process of its own. On a loaded 2-core CPU, honest tiny streams claimed up to 15%
-# above the interval's top (serial against serial: 1.212x claimed, interval top 1.052x), and a 9B
-# instrument stream on the H200 claimed 2.11x against 1.97x retimed, 7% (bench/NOTES.md, the
-# 2026-12-02 CPU entry). 25% leaves room for a noisier machine; a decoder claiming more than its
-# speed beyond that fails, and whatever it claims, the verified score is the retime's own.
-CLAIM_MARGIN = 0.25
+# each side in a process of its own. On a loaded 2-core CPU (load 3 to 8), nine honest tiny
+# streams claimed up to 27% above the interval's top (spec, 1.049x claimed, interval top 0.829x;
+# serial against serial 15%), and a 9B instrument stream on the H200 claimed 2.11x against 1.97x
+# retimed, 7% (bench/NOTES.md, the 2026-12-02 CPU entry). A claim beyond that fails; whatever a
+# stream claims, the verified score is the retime's own.
+CLAIM_MARGIN = 0.35
 CONFIDENCE = 0.95
 RESAMPLES = 9999
 # the header facts a worker re-derives from the decoder itself
