@@ -15,7 +15,8 @@ from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
 from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
-from audit.retime import judge
+from audit.retime.judge import (claim_findings, falls_short, gpu_findings, header_findings, process_findings,
+                                 stop_findings, verified_figures)
 from audit.retime.document import Outcome, build_document, gpu_document, render_table
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
 from audit.retime.load import load_findings
@@ -133,7 +134,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
-        disagree = judge.header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
+        disagree = header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
         findings += disagree
         progress = Progress(0 if disagree_fails(disagree) else 2 * ctx.opts.legs * len(draw.first), clock)
         # the decoder's own word on whether it is an instrument, not the header's
@@ -141,7 +142,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
                         instrument=workers["candidate"].instrument, progress=progress)
         try:
             if not disagree_fails(disagree):
-                time_looks(m, (draw.first, draw.second), measured, judge.falls_short(ctx.claimed["ratio"], ctx.seed))
+                time_looks(m, (draw.first, draw.second), measured, falls_short(ctx.claimed["ratio"], ctx.seed))
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         finally:
@@ -160,9 +161,9 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
 def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:
     workers, measured, gpu = measure(ctx, sides, draw, findings)
     header = ctx.run.header
-    findings += judge.process_findings(workers)
-    findings += judge.gpu_findings(gpu)
-    findings += judge.stop_findings(measured.timed)
+    findings += process_findings(workers)
+    findings += gpu_findings(gpu)
+    findings += stop_findings(measured.timed)
     timed = measured.timed
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
@@ -173,11 +174,11 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
         findings += checks.check_leg_spread(p)
     findings += load_findings(timed)
     instrument = workers["candidate"].instrument or header["candidate"].get("instrument") is True
-    provisional = judge.verified_figures(timed, ctx.seed, True, ctx.opts.s_max, ctx.opts.kappa)
-    findings += judge.claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
+    provisional = verified_figures(timed, ctx.seed, True, ctx.opts.s_max, ctx.opts.kappa)
+    findings += claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
     failed = any(f["severity"] == "fail" for f in findings)
     disqualified = failed or instrument or header["control"].get("name") != "serial"
-    verified = judge.verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
+    verified = verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
     verdict = "fail" if failed else ("pass" if verified["ratio"] is not None else "unverified")
     if not timed:
         log("nothing was timed: no verified figures")
