@@ -12,7 +12,6 @@ from audit.retime.load import leg_walls, others_load, waited
 from audit.stream import PromptRun, Run
 
 SCHEMA = "qwen35-exact/retime/2"
-VERDICTS = ("pass", "fail", "unverified")
 
 
 @dataclass(frozen=True)
@@ -144,8 +143,4 @@ def render_table(doc: dict) -> str:
     lines.append(f"retime took {doc['seconds']:.1f} s  verdict: {doc['verdict'].upper()}  candidate: "
                  f"{doc['candidate']['name']}" + ("  (instrument: never scored)" if doc["instrument"] else ""))
     return "\n".join(lines)
-
-
-def roles_exact(timed: list[PromptRun], replayed: dict) -> dict[str, bool]:
-    return {p.id: not replayed[p.id].divergences for p in timed}
 
