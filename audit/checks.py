@@ -86,7 +86,7 @@ def check_header(header: dict, versions_now: dict) -> list[dict]:
                                "a divergence may be the library's, not the decoder's",
                                library=lib, recorded=recorded.get(lib), replayed=versions_now[lib]))
     warm = header.get("warmup_tokens")
-    if isinstance(warm, int) and warm >= header["max_new_tokens"]:
+    if is_int(warm) and warm >= header["max_new_tokens"]:
         out.append(finding("warm-leg", "warn", None,
                            f"warm-up decodes {warm} >= N={header['max_new_tokens']} tokens: a cache filled during "
                            "the warm-up would make every timed leg warm, invisible to the warm-leg check"))
@@ -140,15 +140,20 @@ def check_determinism(recorded, differences) -> list[dict]:
 
 
 def check_model_identity(recorded: dict, replayed: dict) -> list[dict]:
-    """Built-ins match on name, seed and their fingerprints; checkpoints on config_sha256 and
-    weights_fingerprint (their paths may differ between machines). A fingerprint missing from
-    the stream is a mismatch: the name alone does not say which weights ran."""
-    if recorded.get("kind") == "builtin":
-        keys = ["name", "seed", "config_sha256", "weights_fingerprint"]
-    else:
-        keys = ["config_sha256", "weights_fingerprint"]
+    """The replayed model must be the one that recorded the stream: the same config and weights
+    (config_sha256 and weights_fingerprint; one missing from the stream is a mismatch, since a
+    name alone does not say which weights ran). Two built-ins must also share name and seed.
+    Paths may differ between machines, and a built-in given by its checkpoint directory
+    (``--model fixtures/small``) is the same weights under another name: accepted, with a
+    warning naming both."""
+    both_builtin = recorded.get("kind") == "builtin" and replayed.get("kind") == "builtin"
+    keys = (["name", "seed"] if both_builtin else []) + ["config_sha256", "weights_fingerprint"]
     bad = [k for k in keys if recorded.get(k) != replayed.get(k) or (k != "seed" and k not in recorded)]
     if not bad:
+        if recorded.get("kind") == "builtin" and not both_builtin:
+            return [finding("model", "warn", None,
+                            f"replayed with {replayed.get('name')!r}, the same config and weights as the built-in "
+                            f"{recorded.get('name')!r} the stream names (config_sha256 and weights_fingerprint agree)")]
         return []
     detail = "; ".join(f"{k}: stream {recorded[k]!r}, replayed {replayed.get(k)!r}" if k in recorded
                        else f"{k}: missing from the stream, replayed {replayed.get(k)!r}" for k in bad)
@@ -167,6 +172,23 @@ def check_reference(header: dict) -> list[dict]:
                         f"the reference decoder is {name!r}, not the serial control: ratios are against "
                         f"{name!r}; audited for exactness, never scored")]
     return []
+
+
+def check_control_code(header: dict) -> list[dict]:
+    """The harness's check of the control's code before it timed (``control_code`` in the header):
+    a file it found changed fails the run; a stream that records no check is only said to lack it
+    (``audit retime`` checks the code again before its own workers start)."""
+    code = header.get("control_code")
+    if not isinstance(code, dict):
+        return [finding("control-code-unchecked", "warn", None,
+                        "the header records no check of the control's code; `audit retime` checks it")]
+    modified = code.get("modified")
+    if not isinstance(modified, list):
+        return [finding("control-code-modified", "fail", None, "the header's control_code.modified is not a list")]
+    paths = [m.get("path") if isinstance(m, dict) else m for m in modified]
+    return [finding("control-code-modified", "fail", None,
+                    f"the harness found {path!r} changed from its reference before timing: the control did "
+                    "not run the code it names", path=path) for path in paths]
 
 
 def check_instrument(header: dict) -> list[dict]:

@@ -18,25 +18,37 @@ from pathlib import Path
 
 import click
 
+from core.version import version_option
 from core.errors import DistError, Stopped, UserError, fail
 
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
+
+def check_device_option(device: str | None) -> None:
+    """``--device`` checked before any file is read or model loaded (``core.devices``)."""
+    from core.devices import check_device  # torch loads only when a command runs
+
+    check_device(device)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@version_option
 def main():
     """Independent audit of harness runs: exactness by replay, ratios from raw legs, tamper checks."""
 
 
 @main.command("replay")
+@version_option
 @click.argument("streams", metavar="STREAM...", nargs=-1, required=True)
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
               help="Model to replay with (built-in name or checkpoint dir). Default: the one the header names.")
 @click.option("--out", "out_path", default=None, metavar="AUDIT_JSON",
               help="Where to write the audit (one STREAM only). Default: audit.json beside each STREAM.")
 @click.option("--device", default=None,
-              help="torch device for the replay. Default: the recording device's type if present, else cpu.")
+              help="Device for the replay: cpu, cuda or cuda:N (where present). Default: the recording device's "
+                   "type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
               help="Replay even on a device other than the recording one (a warning, not a refusal).")
 @click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True, help="Score ceiling S_max.")
@@ -76,8 +88,11 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     """
     from core.dist import quiet_rank, rank_prefix  # torch loads only when a command runs: --help stays fast
 
+    from audit.report import printable
+
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
     try:
+        check_device_option(device)
         if len(streams) > 1:
             if out_path:
                 raise BadInput("--out names one file: with several streams each audit.json is written beside its stream")
@@ -86,7 +101,7 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
             code = audit_stream(Path(streams[0]), model_spec, Path(out_path) if out_path else None, device,
                                 allow_device_mismatch, params, dist_timeout)
     except (BadInput, UserError) as exc:
-        fail(str(exc), quiet=quiet_rank())  # every rank meets it alike: rank 0 says it
+        fail(printable(str(exc)), quiet=quiet_rank())  # every rank meets it alike: rank 0 says it
     except DistError as exc:
         fail(rank_prefix() + str(exc))
     except Stopped:
@@ -97,18 +112,23 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 
 
 @main.command("tokens")
+@version_option
 @click.argument("file", metavar="FILE", type=click.Path(path_type=Path))
 @click.option("--model", "model_spec", required=True, metavar="MODEL",
               help="The model that generated FILE (built-in name or checkpoint dir).")
-@click.option("--device", default=None, help="torch device for the pristine path. Default: cuda if available, else cpu.")
+@click.option("--device", default=None,
+              help="Device for the pristine path: cpu, cuda or cuda:N (where present). Default: cuda if available, "
+                   "else cpu.")
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="JSON",
-              help="Where to write the document. Default: audit_tokens.json beside FILE.")
+              help="Where to write the document; '-' writes it to stdout (the table then goes to stderr). "
+                   "Default: audit_tokens.json beside FILE.")
 @click.option("--tie-margin", type=click.FloatRange(min=0), default=None, metavar="X",
               help="A divergence whose greedy logit exceeds the emitted token's by at most X is a near-tie. "
                    "Default: 4 ulps of the logits' dtype (bf16) at the top-1 logit.")
 @click.option("--reference", type=click.Path(path_type=Path), default=None, metavar="OTHER.jsonl",
               help="The same requests from the engine without speculation: report where each output first "
-                   "parts from its counterpart (matched by id, else by line) and what greedy says there.")
+                   "parts from its counterpart (matched by id, else by line) and what greedy says there. Every "
+                   "generation of FILE needs a counterpart (else exit 2).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, metavar="K", help="Audit the first K records only.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="N, where serial decoding stops without an EOS. Default: the longest output in FILE.")
@@ -126,20 +146,24 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
     within the tie margin is a near-tie (arithmetic order can flip it); above it, or a wrong stop, it is
     real. Writes audit_tokens.json and prints a table. Exit 0 all exact, 1 any divergence, 2 bad input.
     """
+    from audit.pipeline import log
+    from audit.report import printable
     from audit.tokens import TokensOptions, run_tokens_audit  # torch loads only when a command runs
 
     opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
                          reference=reference, limit=limit, max_new_tokens=max_new_tokens)
     try:
-        code = run_tokens_audit(opts, log=lambda m: click.echo(m, err=True))
+        check_device_option(device)
+        code = run_tokens_audit(opts, log=log)
     except UserError as exc:
-        fail(str(exc))
+        fail(printable(str(exc)))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written", 130)
     sys.exit(code)
 
 
 @main.command("retime")
+@version_option
 @click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
@@ -164,12 +188,15 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
               help="Draw the fresh prompts (and the interval's resamples) from seed S (a retime.json's seed "
                    "repeats its draw). Default: a secret seed drawn for this retime, shown once every leg ran.")
+@click.option("--no-sandbox", "no_sandbox", is_flag=True,
+              help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
+                   "machine offers one; retime.json and the table then warn candidate-not-sandboxed.")
 @click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True,
               help="Verified score ceiling S_max (as audit replay's).")
 @click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Verified score saturation kappa (as audit replay's).")
 def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
-               allow_device_mismatch, trust_plugin, seed, s_max, kappa):
+               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa):
     """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:
     the verified ratio, its interval and score.
 
@@ -188,7 +215,10 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     it fails (load-against-control) when most prompts ran their control on a machine loaded
     against it, and (stopped-by-others) when another process paused the control's worker or the
     audit itself. On a GPU it asks nvidia-smi every second which processes hold a context, and
-    fails (gpu-shared) when one is out of its reach. Details: docs/audit.md.
+    fails (gpu-shared) when one is out of its reach. Before the workers start, the control's code is
+    checked against git HEAD and the installed RECORDs (control-code-modified names a changed
+    file); the candidate's worker runs sandboxed where the machine allows (read-only filesystem, no
+    network, its processes dying with it). Details: docs/audit.md.
 
     Writes retime.json, prints both ratios per prompt and median. Exit 0 verified (pass), 1 findings
     or unverified (no fresh prompts fit), 2 bad input.
@@ -197,7 +227,8 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
-                         trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, s_max=s_max, kappa=kappa)
+                         trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, sandbox=not no_sandbox,
+                         s_max=s_max, kappa=kappa)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:
@@ -218,9 +249,10 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     from core import dist
 
     from audit import checks
-    from audit.pipeline import (check_out_path, choose_device, file_findings, finish, load_replay_model, log,
-                                replay_device_json, replay_info)
-    from audit.replay import replay_run
+    from audit.pipeline import (check_out_path, check_writable, choose_device, file_findings, finish,
+                                load_replay_model, log, replay_device_json, replay_info)
+    from audit.progress import Progress
+    from audit.replay import planned_positions, replay_run
     from audit.report import divergence_findings
     from audit.sharded import audit_sharded
     from audit.stream import load_run, resolve_stream_path
@@ -239,12 +271,17 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     more, model_findings = file_findings(run, model)
     findings += more
 
+    check_writable(out_path)
+
     replayed, tokens, seconds = None, 0, 0.0
     if not model_findings:  # replaying with another model would only report noise
         log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
             f"on {replay_dev['name']} ...")
-        replayed, tokens, seconds = replay_run(model, run, log)
+        with Progress(planned_positions([run]), "replay", log) as bar:
+            replayed, tokens, seconds = replay_run(model, run, bar.log, bar=bar)
         findings += divergence_findings(run, replayed)
+    else:
+        log("not replayed: the model is not the one that recorded the stream")
     return finish(run, path, out_path, findings, replayed, replay_info([replay_dev], tokens, seconds),
                   model.identity, params)
 
@@ -279,9 +316,10 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
     pin_replay_environment()
     from core import dist
 
-    from audit.pipeline import check_out_path, finish, log, replay_info
-    from audit.replay import replay_shared
-    from audit.report import divergence_findings
+    from audit.pipeline import check_out_path, check_writable, finish, log, replay_info
+    from audit.progress import Progress
+    from audit.replay import planned_positions, replay_shared
+    from audit.report import divergence_findings, printable
     from audit.stream import resolve_stream_path
 
     if dist.topology().active:
@@ -301,6 +339,9 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
         except (BadInput, UserError) as exc:
             raise type(exc)(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
 
+    for path in paths:
+        check_writable(path.parent / "audit.json")
+
     replays: dict[int, tuple] = {}
     for key, model in models.items():
         members = [i for i, job in enumerate(jobs) if job[4] == key and job[5]]
@@ -308,20 +349,22 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
             continue
         log(f"replaying {len(members)} stream(s) with {key[0]} on {jobs[members[0]][2]['name']}, "
             "each distinct prompt once ...")
-        for i, result in zip(members, replay_shared(model, [jobs[i][1] for i in members], log)):
-            replays[i] = result
+        member_runs = [jobs[i][1] for i in members]
+        with Progress(planned_positions(member_runs, shared=True), "replay", log) as bar:
+            for i, result in zip(members, replay_shared(model, member_runs, bar.log, bar)):
+                replays[i] = result
 
     codes = []
     for i, (path, run, replay_dev, findings, key, _) in enumerate(jobs):
         replayed, tokens, seconds = replays.get(i, (None, 0, 0.0))
         if replayed is not None:
             findings = findings + divergence_findings(run, replayed)
-        click.echo(f"\n== {path}")
+        click.echo(printable(f"\n== {path}"))
         codes.append(finish(run, path, path.parent / "audit.json", findings, replayed,
                             replay_info([replay_dev], tokens, seconds), models[key].identity, params))
     failed = [str(p) for p, c in zip(paths, codes) if c != EXIT_PASS]
-    click.echo(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +
-               (f"; failing: {', '.join(failed)}" if failed else ""))
+    click.echo(printable(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +
+                         (f"; failing: {', '.join(failed)}" if failed else "")))
     return EXIT_FAIL if failed else EXIT_PASS
 
 

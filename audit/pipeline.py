@@ -3,10 +3,11 @@ replay device, loading the replay model, every replay-free finding, and writing 
 """
 from __future__ import annotations
 
-import hashlib
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -14,19 +15,20 @@ import torch
 import transformers
 
 from core import determinism
+from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
 from core.prompts import load_prompts, parse_corpus_spec
 
 from audit import checks
-from audit.report import build_document, render_table, write_document
+from audit.report import build_document, printable, render_table, write_document
 from audit.stream import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def log(message: str) -> None:
-    click.echo(message, err=True)
+    click.echo(printable(message), err=True)
 
 
 def model_spec_from_header(header: dict) -> str:
@@ -38,10 +40,10 @@ def model_spec_from_header(header: dict) -> str:
 
 
 def choose_device(requested: str | None, recorded: dict) -> str:
+    """``--device`` (checked: cpu, cuda, cuda:N where present), else the recording device's type
+    where this machine has it, else cpu."""
     if requested:
-        if requested.startswith("cuda") and not torch.cuda.is_available():
-            raise BadInput(f"device {requested!r} requested but this machine has no CUDA GPU")
-        return requested
+        return check_device(requested)
     if recorded.get("type") == "cuda" and torch.cuda.is_available():
         return "cuda"
     return "cpu"
@@ -112,12 +114,15 @@ def reference_prompts(header: dict, model, count: int):
 
 
 def file_findings(run, model) -> tuple[list[dict], list[dict]]:
-    """Every finding that needs no replay: (all of them, the model-identity ones alone)."""
+    """Every finding that needs no replay: (all of them, the failing model-identity ones alone:
+    with another model a replay would only report noise)."""
     findings = checks.check_header(run.header, {"torch": torch.__version__, "transformers": transformers.__version__})
     findings += checks.check_determinism(run.header.get("determinism"), determinism.differences)
     model_findings = checks.check_model_identity(run.header["model"], model.identity)
     findings += model_findings
+    model_findings = [f for f in model_findings if f["severity"] == "fail"]  # a warning still replays
     findings += checks.check_instrument(run.header)
+    findings += checks.check_control_code(run.header)
     findings += checks.check_reference(run.header)
     findings += checks.check_prompt_set(run.header, run.prompts,
                                         reference_prompts(run.header, model, len(run.prompts)))
@@ -126,12 +131,30 @@ def file_findings(run, model) -> tuple[list[dict], list[dict]]:
 
 
 def check_out_path(out_path: Path, stream: Path) -> Path:
-    """Where audit.json goes, refused before any work when it cannot be written there."""
+    """Where audit.json goes, refused before any work when it names a directory or the stream."""
     if out_path.is_dir():
         raise BadInput(f"--out {out_path} is a directory; name the file to write (e.g. {out_path / 'audit.json'})")
     if out_path.resolve() == stream.resolve():
         raise BadInput(f"--out {out_path} is the stream itself")
     return out_path
+
+
+def check_writable(out_path: Path) -> None:
+    """Refused before the replay when ``out_path`` cannot be written (its directory, or the
+    nearest one that exists when it is still to be made, refuses a new file), so a long replay
+    never ends in an unwritable path. Leaves nothing behind."""
+    parent = Path(out_path).parent
+    if parent.is_dir():
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{Path(out_path).name}.", suffix=".probe", dir=parent)
+        except OSError as exc:
+            raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        os.close(fd)
+        os.unlink(tmp)
+        return
+    existing = next((a for a in (parent, *parent.parents) if a.exists()), Path("."))
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise BadInput(f"cannot write {out_path}: {existing} is not a writable directory")
 
 
 def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
@@ -144,8 +167,7 @@ def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
 def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, model_identity: dict,
            params: dict) -> int:
     """Build, write and print audit.json; the exit code from its verdict."""
-    doc = build_document(run, hashlib.sha256(path.read_bytes()).hexdigest(), findings, replayed, info,
-                         model_identity, params)
+    doc = build_document(run, run.sha256, findings, replayed, info, model_identity, params)
     write_document(out_path, doc, render_table(doc))
     refresh_report(path, out_path)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL

@@ -160,17 +160,31 @@ def leg_streams(p) -> dict[str, tuple]:
     return labelled
 
 
-def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None) -> PromptReplay:
-    """One prompt's walk along the greedy path, settling every leg of it."""
+def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None, bar=None) -> PromptReplay:
+    """One prompt's walk along the greedy path, settling every leg of it. ``bar``: an
+    ``audit.progress.Progress`` ticked once per position."""
     labelled = leg_streams(p)
+    ticked = 0
 
     def progress(i, pid=p.id):
+        nonlocal ticked
+        if bar is not None:
+            bar.tick()
+            ticked += 1
         if log and i % 64 == 0:
             log(f"  {pid}: position {i}/{max_new_tokens}")
 
     results, greedy = replay_prompt(stepper, p.token_ids, list(labelled.values()), max_new_tokens, eos, progress)
+    if bar is not None:
+        bar.settle(expected_positions(labelled.values(), max_new_tokens), len(greedy), ticked)
     divs = {label: results[s] for label, s in labelled.items() if results[s] is not None}
     return PromptReplay(divs, len(greedy), greedy)
+
+
+def expected_positions(streams, max_new_tokens: int) -> int:
+    """Positions a walk computes at most to settle ``streams``: one past the longest, N at most."""
+    longest = max((len(s) for s in streams), default=None)
+    return 0 if longest is None else min(max_new_tokens, longest + 1)
 
 
 def walked(divergence: Divergence | None, full: int) -> int:
@@ -181,7 +195,7 @@ def walked(divergence: Divergence | None, full: int) -> int:
     return divergence.position if divergence.reason in (AFTER_EOS, TOO_LONG) else divergence.position + 1
 
 
-def replay_shared(model, runs: list, log=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
+def replay_shared(model, runs: list, log=None, bar=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
     """Replay several runs recorded with one model: each distinct (prompt, N) is walked ONCE for
     the legs of every run that holds it. A stream's verdict depends only on the greedy path, which
     is the same for every run of the same model, prompt and N, so sharing the walk changes no
@@ -200,6 +214,8 @@ def replay_shared(model, runs: list, log=None) -> list[tuple[dict[str, PromptRep
         t0 = time.perf_counter()
         results, greedy = replay_prompt(stepper, list(prompt_ids), streams, max_new, eos)
         seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.settle(expected_positions(streams, max_new), len(greedy), 0)
         for i, p, legs in labelled:
             divs = {label: results[s] for label, s in legs.items() if results[s] is not None}
             # the positions this run's own walk would have computed, so its audit.json is the one
@@ -215,20 +231,32 @@ def replay_shared(model, runs: list, log=None) -> list[tuple[dict[str, PromptRep
     return out
 
 
-def replay_run(model, run, log=None, prompts=None) -> tuple[dict[str, PromptReplay], int, float]:
+def replay_run(model, run, log=None, prompts=None, bar=None) -> tuple[dict[str, PromptReplay], int, float]:
     """Replay every prompt of a run (or ``prompts``, a rank's share of them). Returns
-    ({prompt_id: PromptReplay}, tokens replayed, seconds)."""
+    ({prompt_id: PromptReplay}, tokens replayed, seconds). ``bar``: an ``audit.progress.Progress``
+    over ``planned_positions``."""
     stepper = PristineSerial(model)
     eos = set(model.eos_token_ids)
     prompts = run.prompts if prompts is None else prompts
     out, total, t0 = {}, 0, time.perf_counter()
     for n, p in enumerate(prompts, start=1):
         t_prompt = time.perf_counter()
-        rep = out[p.id] = replay_one(stepper, p, run.max_new_tokens, eos, log)
+        rep = out[p.id] = replay_one(stepper, p, run.max_new_tokens, eos, log, bar)
         total += rep.positions
         if log:
             log_prompt(log, n, len(prompts), p, rep, time.perf_counter() - t_prompt)
     return out, total, time.perf_counter() - t0
+
+
+def planned_positions(runs: list, shared: bool = False) -> int:
+    """The positions the replay of ``runs`` computes at most: the progress bar's total. ``shared``:
+    each distinct (prompt, N) counts once, as ``replay_shared`` walks it."""
+    walks: dict = {}
+    for i, run in enumerate(runs):
+        for p in run.prompts:
+            key = (tuple(p.token_ids), run.max_new_tokens) if shared else (i, p.id)
+            walks.setdefault(key, (run.max_new_tokens, []))[1].extend(tuple(r["tokens"]) for r in p.legs)
+    return sum(expected_positions(streams, n) for n, streams in walks.values())
 
 
 def log_prompt(log, n: int, count: int, p, rep: PromptReplay, seconds: float) -> None:

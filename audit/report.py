@@ -4,6 +4,7 @@ audit.json keys are a contract with the reports package; see ``build_document``.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -92,6 +93,8 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
         "stream_sha256": stream_sha256,
         "verdict": "fail" if failed else "pass",
         "exact": exact,
+        # false when no token was replayed (another model, say): "exact" is then false unproven
+        "replayed": replayed is not None,
         "consistent": consistent,
         # the claimed score: the stream's own ratios, from in-process timing; the verified score is
         # audit retime's (retime.json), from its own legs
@@ -142,10 +145,17 @@ def fmt_memory(ctl, cand) -> str:
     return f"{cand / ctl:.2f}x" if ctl > 0 else "?"
 
 
+def fmt_exact(doc: dict, exact: bool) -> str:
+    if not doc.get("replayed", True):
+        return "not replayed"
+    return "yes" if exact else "NO"
+
+
 def render_table(doc: dict) -> str:
     rows = [("prompt", "tokens", "exact", "first divergence", "ratio", "harness", "mem", "warm")]
     for e in doc["prompts"]:
-        rows.append((e["id"], str(e["tokens"]), "yes" if e["exact"] else "NO", fmt_divergence(e["first_divergence"]),
+        rows.append((e["id"], str(e["tokens"]), "-" if not doc["replayed"] else "yes" if e["exact"] else "NO",
+                     fmt_divergence(e["first_divergence"]),
                      fmt_ratio(e["ratio"]), fmt_ratio(e["harness_ratio"]),
                      fmt_memory(e["control_peak_bytes"], e["candidate_peak_bytes"]),
                      "FLAG" if e["warm_leg_flag"] else "-"))
@@ -170,7 +180,7 @@ def render_table(doc: dict) -> str:
                      f"{LEG_SPREAD_LIMIT:.0%})" + ("; the run is unstable: its median ratio may be within noise, "
                                                    "rerun with more --legs on a quieter machine"
                                                    if doc["unstable"] else ""))
-    lines.append(f"verdict: {doc['verdict'].upper()}  exact: {'yes' if doc['exact'] else 'NO'}  "
+    lines.append(f"verdict: {doc['verdict'].upper()}  exact: {fmt_exact(doc, doc['exact'])}  "
                  f"consistent: {'yes' if doc['consistent'] else 'NO'}  candidate: {doc['candidate']}"
                  + ("  (instrument: never scored)" if doc["instrument"] else ""))
     return "\n".join(lines)
@@ -185,11 +195,27 @@ def finding_lines(findings: list[dict]) -> list[str]:
                                 for f in findings]
 
 
-def write_document(out_path: Path, doc: dict, table: str) -> None:
-    """Write an audit's JSON document in one piece, then print its table and where it went."""
+def printable(text: str) -> str:
+    """``text`` as any UTF-8 terminal or pipe takes it: a lone surrogate (a JSON ``"\\ud800"`` in a
+    prompt id, a file name that is not UTF-8) is escaped as ``\\ud800`` instead of failing the print."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def write_document(out_path: Path | None, doc: dict, table: str) -> None:
+    """Write an audit's JSON document in one piece, then print its table and where it went.
+    ``out_path`` None: the document goes to stdout, the table to stderr. A document that cannot
+    be JSON (a non-finite number) is refused before anything is written."""
+    try:
+        text = json.dumps(doc, indent=2, sort_keys=True, allow_nan=False)
+    except ValueError as exc:
+        raise BadInput(f"the audit computed a value JSON cannot hold ({exc}); nothing was written") from None
+    if out_path is None:
+        click.echo(printable(table), err=True)
+        click.echo(text)
+        return
     try:
         write_json_atomic(out_path, doc)
     except OSError as exc:
         raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(table)
-    click.echo(f"wrote {out_path}")
+    click.echo(printable(table))
+    click.echo(printable(f"wrote {out_path}"))

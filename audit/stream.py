@@ -9,11 +9,12 @@ report as findings.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import UserError
-from core.schema import StreamFormatError, read_stream
+from core.schema import StreamFormatError, parse_stream, read_stream_bytes
 
 # new tokens per decode a header may claim: far beyond any run, small enough that a forged N
 # cannot make `audit retime` decode for days
@@ -51,6 +52,7 @@ class Run:
     end: dict | None
     integrity: dict  # from read_stream: present, count_ok, sha256_ok
     violations: list[tuple[int, dict]] = field(default_factory=list)  # (line, violation record)
+    sha256: str = ""  # of the bytes read and audited (never read a second time: the file may change)
 
     @property
     def max_new_tokens(self) -> int:
@@ -150,7 +152,7 @@ def resolve_stream_path(path: Path) -> Path:
     """A run directory stands for its stream.jsonl."""
     path = Path(path)
     if path.is_dir():
-        if not (path / "stream.jsonl").is_file():
+        if not (path / "stream.jsonl").exists() and not (path / "stream.jsonl").is_symlink():
             raise BadInput(f"{path} is a directory without a stream.jsonl")
         return path / "stream.jsonl"
     return path
@@ -172,7 +174,8 @@ def load_run(path: Path) -> Run:
     """Parse and group a stream; every structural problem is ``BadInput``."""
     path = resolve_stream_path(path)
     try:
-        records, integrity = read_stream(path)
+        raw = read_stream_bytes(path)
+        records, integrity = parse_stream(raw, path)
     except StreamFormatError as exc:
         raise BadInput(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
     except OSError as exc:
@@ -183,4 +186,4 @@ def load_run(path: Path) -> Run:
     if not prompts:
         raise BadInput(f"{path}: no prompt records; nothing to audit")
     check_proportions(header, records, prompts)
-    return Run(path, header, prompts, end, integrity, violations)
+    return Run(path, header, prompts, end, integrity, violations, hashlib.sha256(raw).hexdigest())

@@ -31,13 +31,16 @@ from pathlib import Path
 import torch
 
 from core import determinism, dist
+from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
-from core.schema import jsonl_values
+from core.prompts import is_unicode
+from core.schema import jsonl_values, read_regular
 
 from audit.checks import first_difference
-from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, greedy_and_top, logit_of,
-                          replay_prompt, teacher_forced_logits)
+from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, expected_positions,
+                          greedy_and_top, logit_of, replay_prompt, teacher_forced_logits)
+from audit.progress import Progress
 from audit.report import write_document
 
 KIND = "tokens-audit"
@@ -71,6 +74,7 @@ class Generation:
     prompt_text: str | None = None
     explicit_id: bool = False
     padded: bool = False  # shape (c): ``generate`` pads finished rows after their EOS
+    max_new_tokens: int | None = None  # the line's own N, where it gives one
 
 
 @dataclass
@@ -80,11 +84,24 @@ class TokensOptions:
     file: Path
     model: str
     device: str | None = None
-    out: Path | None = None
+    out: Path | None = None  # None: audit_tokens.json beside the file; "-": stdout
     tie_margin: float | None = None  # None: TIE_ULPS ulps at the top-1 logit
     reference: Path | None = None
     limit: int | None = None
     max_new_tokens: int | None = None  # None: the longest output
+
+
+@dataclass
+class Inputs:
+    """What was read: the generations, the reference's and their pairing, and the sha256 of the
+    bytes each file held when read (hashed once, from what was parsed)."""
+
+    gens: list[Generation]
+    sha256: str
+    refs: list[Generation] | None = None
+    ref_sha256: str | None = None
+    pairs: dict | None = None
+    matched_by: str | None = None
 
 
 @dataclass
@@ -98,13 +115,21 @@ class Walked:
 # --------------------------------------------------------------------------- reading
 
 
-def read_generations(path: Path, limit: int | None = None) -> list[Generation]:
-    """Every generation in ``path`` (the first ``limit`` records), or UserError naming the line."""
+def read_file(path: Path) -> bytes:
+    """A generations file's bytes: a regular file of at most ``core.schema.MAX_JSONL_BYTES``."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise UserError(f"{path}: no such file")
+    return read_regular(path)
+
+
+def read_generations(path: Path, limit: int | None = None, raw: bytes | None = None) -> list[Generation]:
+    """Every generation in ``path`` (the first ``limit`` records), or UserError naming the line.
+    ``raw``: the file's bytes when already read (``read_file``), so what is hashed is what is read."""
+    path = Path(path)
+    raw = read_file(path) if raw is None else raw
     gens: list[Generation] = []
-    for records, (lineno, rec) in enumerate(jsonl_values(path), start=1):
+    for records, (lineno, rec) in enumerate(jsonl_values(path, raw=raw), start=1):
         if limit is not None and records > limit:
             break
         if not isinstance(rec, dict):
@@ -146,9 +171,17 @@ def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
         padded = False
     else:
         raise UserError(f"{where}: lacks 'output_token_ids' (or 'outputs', or 'sequences'): no output to audit")
+    own_n = rec.get("max_new_tokens")
+    if own_n is not None and (isinstance(own_n, bool) or not isinstance(own_n, int) or own_n < 1):
+        raise UserError(f"{where}: 'max_new_tokens' must be a positive integer")
     many = len(outputs) > 1
-    return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded)
-            for k, out in enumerate(outputs)]
+    return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded,
+                       own_n) for k, out in enumerate(outputs)]
+
+
+def n_of(g: Generation, n: int) -> int:
+    """The N an output is judged against: its line's own ``max_new_tokens``, else the run's."""
+    return g.max_new_tokens or n
 
 
 def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
@@ -159,6 +192,9 @@ def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
         text = rec["prompt"]
         if not isinstance(text, str) or not text:
             raise UserError(f"{where}: 'prompt' must be a non-empty string")
+        if not is_unicode(text):
+            raise UserError(f"{where}: 'prompt' holds a lone surrogate (an escape such as \\ud800 that is no "
+                            "character): it cannot be tokenized")
         return None, text
     raise UserError(f"{where}: lacks 'prompt_token_ids' (or 'prompt' text)")
 
@@ -214,18 +250,33 @@ def resolve(gens: list[Generation], model, path: Path) -> None:
         bad = [t for t in g.prompt_ids + g.output if t >= model.vocab_size]
         if bad:
             raise UserError(f"{where}: token id {bad[0]} outside the model's vocabulary (0..{model.vocab_size - 1})")
+        context = getattr(model.text_config, "max_position_embeddings", None)
+        if context is not None and len(g.prompt_ids) + len(g.output) > context:
+            raise UserError(f"{where}: {len(g.prompt_ids)} prompt and {len(g.output)} output tokens, beyond the "
+                            f"model's context of {context}")
         if g.padded:
             first = next((i for i, t in enumerate(g.output) if t in eos), None)
             if first is not None and all(t in eos for t in g.output[first:]):
                 g.output = g.output[:first + 1]
 
 
-def pair_with_reference(gens: list[Generation], refs: list[Generation]) -> tuple[dict[str, Generation | None], str]:
-    """Each generation's counterpart: by id when both files name every record, else by position."""
+def pair_with_reference(gens: list[Generation], refs: list[Generation], path: Path,
+                        ref_path: Path) -> tuple[dict[str, Generation], str]:
+    """Each generation's counterpart: by id when both files name every record, else by position.
+    A generation without one is bad input: a reference is the same requests, and a comparison
+    that matched nothing (or only some) would pass without having compared what was asked."""
     if all(g.explicit_id for g in gens + refs):
         by_id = {r.id: r for r in refs}
-        return {g.id: by_id.get(g.id) for g in gens}, "id"
-    return {g.id: refs[i] if i < len(refs) else None for i, g in enumerate(gens)}, "line"
+        pairs, matched_by = {g.id: by_id.get(g.id) for g in gens}, "id"
+    else:
+        pairs, matched_by = {g.id: refs[i] if i < len(refs) else None for i, g in enumerate(gens)}, "line"
+    lacking = [g for g in gens if pairs[g.id] is None]
+    if lacking:
+        how = "no record of that id" if matched_by == "id" else f"only {len(refs)} generation(s)"
+        raise UserError(f"{ref_path}: {len(lacking)} of {len(gens)} generations of {path} have no counterpart "
+                        f"(matched by {matched_by}; e.g. {lacking[0].id!r} of line {lacking[0].line}: {how}); "
+                        "the reference must hold the same requests")
+    return pairs, matched_by
 
 
 def check_same_prompts(gens: list[Generation], pairs: dict, ref_path: Path, path: Path) -> None:
@@ -279,32 +330,46 @@ def verdict(counts: dict) -> str:
 
 
 def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int], log) -> tuple[dict, int, float]:
-    """One pristine walk per distinct prompt for all its outputs (``replay_prompt``). Keeps the
-    logits at the positions where a generation parts from its reference. Returns
-    ({prompt ids: Walked}, positions computed, seconds)."""
+    """One pristine walk per distinct prompt for all its outputs (``replay_prompt``), with a
+    progress bar (``audit.progress``). Keeps the logits at the positions where a generation parts
+    from its reference. Returns ({prompt ids: Walked}, positions computed, seconds)."""
     stepper = PristineSerial(model)
     eos = set(model.eos_token_ids)
     groups: dict[tuple, list[Generation]] = {}
     for g in gens:
-        groups.setdefault(tuple(g.prompt_ids), []).append(g)
+        groups.setdefault((tuple(g.prompt_ids), n_of(g, n)), []).append(g)
+    planned = sum(expected_positions([g.output for g in members], own_n) for (_, own_n), members in groups.items())
     walked, positions, t0 = {}, 0, time.perf_counter()
-    for k, (prompt, members) in enumerate(groups.items(), start=1):
-        wanted = {partings[g.id] for g in members if g.id in partings}
-        kept: dict[int, torch.Tensor] = {}
-
-        def observe(i, logits, wanted=wanted, kept=kept):
-            if i in wanted:
-                kept[i] = logits.float().clone()
-
-        results, greedy = replay_prompt(stepper, list(prompt), [tuple(g.output) for g in members], n, eos,
-                                        observe=observe)
-        walked[prompt] = Walked(results, kept)
-        positions += len(greedy)
-        if log:
-            diverged = sum(results[tuple(g.output)] is not None for g in members)
-            log(f"tokens [{k}/{len(groups)}] {members[0].id}: {len(greedy)} positions, {len(members)} output(s), "
-                f"{'exact' if not diverged else f'{diverged} diverge'}")
+    with Progress(planned, "tokens", log) as bar:
+        for k, ((prompt, own_n), members) in enumerate(groups.items(), start=1):
+            walked[prompt, own_n], walk_len = walk_group(stepper, prompt, members, own_n, eos, partings, bar)
+            positions += walk_len
+            diverged = sum(walked[prompt, own_n].results[tuple(g.output)] is not None for g in members)
+            bar.log(f"tokens [{k}/{len(groups)}] {members[0].id}: {walk_len} positions, {len(members)} output(s), "
+                    f"{'exact' if not diverged else f'{diverged} diverge'}")
     return walked, positions, time.perf_counter() - t0
+
+
+def walk_group(stepper, prompt: tuple, members: list[Generation], n: int, eos: set[int], partings: dict[str, int],
+               bar) -> tuple[Walked, int]:
+    """One prompt's walk for the outputs that share it; (Walked, positions computed)."""
+    wanted = {partings[g.id] for g in members if g.id in partings}
+    kept: dict[int, torch.Tensor] = {}
+    ticked = 0
+
+    def observe(i, logits):
+        if i in wanted:
+            kept[i] = logits.float().clone()
+
+    def progress(i):
+        nonlocal ticked
+        bar.tick()
+        ticked += 1
+
+    streams = [tuple(g.output) for g in members]
+    results, greedy = replay_prompt(stepper, list(prompt), streams, n, eos, progress, observe=observe)
+    bar.settle(expected_positions(streams, n), len(greedy), ticked)
+    return Walked(results, kept), len(greedy)
 
 
 def parting_json(model, g: Generation, ref: Generation, div, walked: Walked, dtype, fixed, n: int) -> dict:
@@ -354,13 +419,14 @@ def cause(greedy_prefix: bool, greedy: int | None, ours: int | None, theirs: int
 # --------------------------------------------------------------------------- the document
 
 
-def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pairs: dict | None, matched_by,
-                   model, dev: str, n: int, replay: dict) -> dict:
+def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev: str, n: int, replay: dict) -> dict:
+    gens, pairs = inputs.gens, inputs.pairs
     dtype = model.backbone.get_output_embeddings().weight.dtype
     entries = []
     counts = {"exact": 0, NEAR_TIE: 0, REAL: 0, STOP: 0}
     for g in gens:
-        div = walked[tuple(g.prompt_ids)].results[tuple(g.output)]
+        walk = walked[tuple(g.prompt_ids), n_of(g, n)]
+        div = walk.results[tuple(g.output)]
         first = divergence_json(div, dtype, opts.tie_margin) if div else None
         counts["exact" if first is None else first["class"]] += 1
         entry = {"id": g.id, "line": g.line, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output),
@@ -368,14 +434,14 @@ def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pa
                  "first_divergence": first}
         if pairs is not None:
             ref = pairs[g.id]
-            entry["reference"] = (parting_json(model, g, ref, div, walked[tuple(g.prompt_ids)], dtype, opts.tie_margin, n)
+            entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n))
                                   if ref is not None else None)
         entries.append(entry)
     doc = {
         "kind": KIND,
         "schema": SCHEMA,
         "file": str(opts.file),
-        "file_sha256": sha256_file(opts.file),
+        "file_sha256": inputs.sha256,
         "model": model.identity,
         "replay": {**replay, "path": "pristine-serial", "device": device_name(torch.device(dev))},
         "determinism": determinism.current(),
@@ -390,16 +456,12 @@ def build_document(opts: TokensOptions, gens: list[Generation], walked: dict, pa
     }
     if pairs is not None:
         parted = [e["reference"] for e in entries if e["reference"] and e["reference"]["parts"]]
-        doc["reference"] = {"file": str(opts.reference), "file_sha256": sha256_file(opts.reference),
-                            "matched_by": matched_by,
+        doc["reference"] = {"file": str(opts.reference), "file_sha256": inputs.ref_sha256,
+                            "matched_by": inputs.matched_by,
                             "unmatched": sum(e["reference"] is None for e in entries),
                             "parted": len(parted),
                             "speculation_changed": sum(p["cause"].startswith("speculation") for p in parted)}
     return doc
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 # --------------------------------------------------------------------------- table
@@ -457,36 +519,62 @@ def render_table(doc: dict) -> str:
 # --------------------------------------------------------------------------- the command
 
 
+def out_destination(opts: TokensOptions) -> Path | None:
+    """Where the document goes (None: stdout, for ``--out -``), refused before any work when it
+    names a directory or one of the input files."""
+    if opts.out is not None and str(opts.out) == "-":
+        return None
+    out = Path(opts.out) if opts.out else Path(opts.file).parent / DEFAULT_NAME
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name the file to write (e.g. {out / DEFAULT_NAME})")
+    for given in filter(None, (opts.file, opts.reference)):
+        if Path(given).exists() and out.resolve() == Path(given).resolve():
+            raise UserError(f"--out {out} is an input file")
+    return out
+
+
+def read_inputs(opts: TokensOptions) -> Inputs:
+    """Both files read, checked and paired: every problem with them before the model loads."""
+    path = Path(opts.file)
+    raw = read_file(path)
+    inputs = Inputs(read_generations(path, opts.limit, raw), hashlib.sha256(raw).hexdigest())
+    if opts.reference:
+        ref_raw = read_file(opts.reference)
+        inputs.refs = read_generations(opts.reference, opts.limit, ref_raw)
+        inputs.ref_sha256 = hashlib.sha256(ref_raw).hexdigest()
+        inputs.pairs, inputs.matched_by = pair_with_reference(inputs.gens, inputs.refs, path, Path(opts.reference))
+    return inputs
+
+
 def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     """The whole `audit tokens`; returns the exit code. Bad input raises UserError before anything
     is written."""
-    from audit.pipeline import pin_replay_environment  # determinism.pin() before the model touches CUDA
+    from audit.pipeline import check_writable, pin_replay_environment  # determinism.pin() before CUDA
 
     pin_replay_environment()
     if dist.topology().active:
         raise UserError("audit tokens runs in one process; launch it without torchrun")
     path = Path(opts.file)
-    out_path = Path(opts.out) if opts.out else path.parent / DEFAULT_NAME
-    gens = read_generations(path, opts.limit)
-    refs = read_generations(opts.reference, opts.limit) if opts.reference else None
-    dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out_path = out_destination(opts)
+    inputs = read_inputs(opts)
+    gens, pairs = inputs.gens, inputs.pairs
+    dev = check_device(opts.device)  # None: cuda when present, else cpu
     try:
         model = load_model(opts.model, dev)
     except UserError as exc:
         raise UserError(f"cannot load model {opts.model!r} to replay with: {exc}") from None
     resolve(gens, model, path)
-    pairs, matched_by = None, None
-    if refs is not None:
-        resolve(refs, model, opts.reference)
-        pairs, matched_by = pair_with_reference(gens, refs)
+    if pairs is not None:
+        resolve(inputs.refs, model, opts.reference)
         check_same_prompts(gens, pairs, opts.reference, path)
     n = opts.max_new_tokens or max(len(g.output) for g in gens)
     if n < 1:
         raise UserError(f"{path}: every output is empty; give -n to audit them against N tokens")
+    if out_path is not None:
+        check_writable(out_path)
     partings = {}
     for g in gens:
-        ref = pairs.get(g.id) if pairs else None
-        k = first_difference(g.output, ref.output) if ref is not None else None
+        k = first_difference(g.output, pairs[g.id].output) if pairs else None
         if k is not None:
             partings[g.id] = k
     if log:
@@ -494,6 +582,6 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     walked, positions, seconds = walk_prompts(model, gens, n, partings, log)
     replay = {"tokens_replayed": positions, "seconds": seconds,
               "ms_per_token": 1000 * seconds / positions if positions else None}
-    doc = build_document(opts, gens, walked, pairs, matched_by, model, dev, n, replay)
+    doc = build_document(opts, inputs, walked, model, dev, n, replay)
     write_document(out_path, doc, render_table(doc))
     return EXIT_EXACT if doc["verdict"] == VERDICT_EXACT else EXIT_DIVERGED

@@ -14,6 +14,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
               GPU: fast-serial and spec against the control, and spec side by side against fast-serial
+  serve       bench/serve_bench.py on synthetic-9b: time to first token and tokens/s of `spec` through
+              `harness serve` (the openai client), `harness generate` and `harness time`, side by side,
+              every answer compared with the recorded serial tokens
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -95,6 +98,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "small-real":
         return spec_bench_steps(str(out / "small-real"), configs or list(SMALL_CONFIGS),
                                 ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
+    if name == "serve":
+        return [Step("serve", (PY, "bench/serve_bench.py", "--model", "synthetic-9b", "--decoder", "spec",
+                               "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
@@ -102,7 +108,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "tests-cuda", "suite")
+SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 

@@ -10,4 +10,5 @@
   corpus       the standard-library corpus and its train/dev/held-out split
   continues    counting the SIGCONTs a process receives (another process stopping it)
   version      the package version and the --version option of every command
+  catalog      names and descriptions of the built-in models and prompt sets (no torch)
 """

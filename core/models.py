@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from core.catalog import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: F401 - DEFAULT_MODEL re-exported
 from core.errors import UserError
 from core.mtp import MTPHead
 
@@ -35,20 +36,11 @@ DTYPE = torch.bfloat16
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TINY_DIR = FIXTURES / "tiny"
 SMALL_DIR = FIXTURES / "small"
-DEFAULT_MODEL = "small"
 COMMITTED = {"tiny": TINY_DIR, "small": SMALL_DIR}
 SYNTHETIC_SEED = 0
 # Qwen3.5's end-of-text ids (<|im_end|>, <|endoftext|>); the random 9B model keeps them.
 SYNTHETIC_EOS = (248046, 248044)
 
-BUILTIN_MODELS = {
-    "small": "a small Qwen3.5 (8 layers, 3 Gated-DeltaNet : 1 attention, hidden 256, 4096-token "
-    "BPE) with its MTP head, trained on the Python standard library (the training package); CPU-sized",
-    "tiny": "deterministic random Qwen3.5 (4 layers: 3 Gated-DeltaNet + 1 attention, MTP head, "
-    "512-token BPE tokenizer) in the released checkpoint layout under fixtures/tiny; CPU-sized",
-    "synthetic-9b": "the Qwen3.5-9B shape with random bf16 weights and a random MTP head, "
-    "built on the GPU from a seed (needs CUDA, ~19 GB)",
-}
 
 
 @dataclass

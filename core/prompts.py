@@ -25,24 +25,14 @@ from pathlib import Path
 
 import torch
 
+from core.catalog import BUILTIN_PROMPTS  # noqa: F401 - re-exported
 from core.corpus import collect
 from core.errors import UserError
 from core.models import FIXTURES
-from core.schema import jsonl_values
+from core.schema import jsonl_values, read_regular
 
 DEV_FILE = FIXTURES / "prompts" / "dev.jsonl"
 
-BUILTIN_PROMPTS = {
-    "dev": "10 varied prompts (prose, code, lists, dialogue, math), tokenized with the model's tokenizer",
-    "random-512": "8 prompts of 512 random token ids (fixed seed), for models without a tokenizer",
-    "random-512-offline": "64 prompts of 512 random token ids (another seed), disjoint from random-512: "
-                          "for building shortlists and head data apart from the benchmark prompts",
-    "stdlib-train": "512 snippets of the Python stdlib's train split (core/corpus.py), for heads train; "
-                    "stdlib-train:N cuts N (any N >= 1, e.g. stdlib-train:2048)",
-    "stdlib-dev": "32 snippets of the Python stdlib's dev split (stdlib-dev:N for N)",
-    "stdlib-heldout": "10 snippets of the Python stdlib's held-out split (small's default): measurement only "
-                      "(stdlib-heldout:N for N)",
-}
 # name -> (corpus split, default count); NAME:N asks for N snippets
 CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
 SNIPPET_CHARS = 400
@@ -117,18 +107,28 @@ def random_prompts(vocab: int, count: int = 8, length: int = 512, seed: int = 0,
             for i in range(count)]
 
 
-def parse_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line of a prompt file."""
-    if not path.is_file():
+def parse_jsonl(path: Path, raw: bytes | None = None) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a prompt file: a regular file of at most
+    ``core.schema.MAX_JSONL_BYTES`` (``raw``: its bytes, when already read)."""
+    if not path.exists() and not path.is_symlink():
         raise UserError(f"prompt file {str(path)!r} not found")
     entries = []
-    for lineno, obj in jsonl_values(path, at=lambda n: f"{path}:{n}"):
+    for lineno, obj in jsonl_values(path, at=lambda n: f"{path}:{n}", raw=raw):
         if not isinstance(obj, dict):
             raise UserError(f"{path}:{lineno}: each line must be a JSON object")
         entries.append((lineno, obj))
     if not entries:
         raise UserError(f"{path}: no prompts in the file")
     return entries
+
+
+def is_unicode(text: str) -> bool:
+    """Encodable as UTF-8: JSON lets a lone surrogate (``"\\ud800"``) through, no tokenizer takes one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[list[Prompt], dict]:
@@ -146,12 +146,12 @@ def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[lis
         digest_src = json.dumps([e for _, e in entries], sort_keys=True).encode()
     else:
         path = DEV_FILE if spec == "dev" else Path(spec)
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
             raise UserError(f"prompt file {str(path)!r} not found, and {spec!r} is not a built-in prompt set "
                             f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
-        entries = parse_jsonl(path)
+        digest_src = read_regular(path)  # hashed and parsed from one read: the file may change
+        entries = parse_jsonl(path, digest_src)
         source = "builtin:dev" if spec == "dev" else str(path)
-        digest_src = path.read_bytes()
     prompts, seen = [], set()
     for lineno, obj in entries:
         pid = obj.get("id")
@@ -176,6 +176,9 @@ def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[lis
             text = obj["text"]
             if not isinstance(text, str) or not text:
                 raise UserError(f"{source}:{lineno}: prompt {pid!r}: text must be a non-empty string")
+            if not is_unicode(text):
+                raise UserError(f"{source}:{lineno}: prompt {pid!r}: text holds a lone surrogate (an escape such "
+                                "as \\ud800 that is no character)")
             if model.tokenizer is None:
                 raise UserError(f"{source}: prompt {pid!r} is text, but model {model.name} has no tokenizer; "
                                 "give token_ids (or use --prompts random-512)")

@@ -25,7 +25,11 @@ One JSON object per line, each with a ``type``:
            truncated or hand-edited file is detectable; and the harness's median ratio.
 
 Reading is strict: every number finite and inside int64 (``1e999``, ``NaN``, a 400-digit integer
-are refused), nesting at most ``MAX_DEPTH`` deep, so that a hostile file is one clean error.
+are refused), nesting at most ``MAX_DEPTH`` deep, ``true``/``false`` never taken for an integer,
+leg times inside a plausible range (so no ratio derived from them can overflow), so that a
+hostile file is one clean error. Only regular files are read (a link to a device, a FIFO or a
+socket is refused without waiting on it), and a stream no larger than its header's counts
+allow (``stream_size_cap``): a huge or sparse file is refused from its size, before it is read.
 
 Files are written atomically (a temporary file renamed into place at the end), so an
 interrupted run leaves no ``stream.jsonl`` at all rather than one that looks complete. Under
@@ -36,7 +40,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import io
 import os
+import stat
 import statistics
 import tempfile
 from pathlib import Path
@@ -112,10 +118,12 @@ class _DigestingText:
 
 class AtomicJsonlWriter:
     """Collects lines in a temporary file beside ``path``; ``commit`` renames it into place.
-    Leaving the ``with`` block by an exception deletes the temporary file."""
+    Leaving the ``with`` block by an exception deletes the temporary file, and the directories
+    made for it, so a failed run leaves nothing behind."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(tmp)
@@ -143,6 +151,11 @@ class AtomicJsonlWriter:
         if not self.fh.closed:
             self.fh.close()
         self.tmp.unlink(missing_ok=True)
+        for made in self.made:  # innermost first; one that now holds something else stays
+            try:
+                made.rmdir()
+            except OSError:
+                break
 
     def __enter__(self):
         return self
@@ -181,14 +194,62 @@ def write_json_atomic(path: Path, obj) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def jsonl_values(path: Path, at: Callable[[int], str] | None = None) -> Iterator[tuple[int, object]]:
+# the largest user jsonl (a prompt set, a file of generations) read: far beyond any benchmark's,
+# small enough to hold in memory
+MAX_JSONL_BYTES = 256 << 20
+
+
+def open_regular(path: Path, error=UserError):
+    """``path`` opened for binary reading, and its size, if it is a regular file; otherwise
+    ``error``. Opened non-blocking and checked on the open descriptor, so a FIFO, a device or a
+    socket (also behind a symlink, or swapped in after a check by name) is refused at once rather
+    than read from forever."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, FIFO or socket?)"
+            raise error(f"{path} is {kind}; give a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(fh, size: int, cap: int, path: Path, why: str, error=UserError) -> bytes:
+    """The rest of ``fh``, refused unread when the file's size is beyond ``cap`` bytes, and refused
+    once ``cap`` bytes are read when the size was understated (a file that grows, a /proc file)."""
+    if size > cap:
+        raise error(f"{path} is {size} bytes, beyond the {cap} bytes {why}")
+    data = fh.read(cap + 1 - fh.tell())
+    if fh.tell() > cap:
+        raise error(f"{path} holds more than the {cap} bytes {why}")
+    return data
+
+
+def read_regular(path: Path, cap: int = MAX_JSONL_BYTES, error=UserError) -> bytes:
+    """All of a regular file of at most ``cap`` bytes (``open_regular``, ``read_capped``)."""
+    fh, size = open_regular(path, error)
+    with fh:
+        return read_capped(fh, size, cap, path, "a file read here may hold", error)
+
+
+def jsonl_values(path: Path, at: Callable[[int], str] | None = None, *, raw: bytes | None = None,
+                 cap: int = MAX_JSONL_BYTES) -> Iterator[tuple[int, object]]:
     """(line number, value) for every non-blank line of a user's jsonl file (a prompt set, a file
-    of generations), read by ``jsonlines``; a line that is not JSON, text that is not UTF-8 or a
-    file that cannot be read is a UserError naming the file and the line (``at(lineno)``, by
-    default "PATH line N", the caller's own style of naming a line)."""
+    of generations), read by ``jsonlines``; a line that is not JSON, text that is not UTF-8, a file
+    that cannot be read, is not a regular file or is larger than ``cap`` is a UserError naming the
+    file and the line (``at(lineno)``, by default "PATH line N", the caller's own style of naming a
+    line). ``raw``: the file's bytes, when the caller has read them already (to hash them)."""
     path = Path(path)
     at = at or (lambda n: f"{path} line {n}")
     lineno = 0
+    data = read_regular(path, cap) if raw is None else raw
 
     def numbered(fh):  # the reader takes one line per value: after a read, lineno is its line
         nonlocal lineno
@@ -196,7 +257,8 @@ def jsonl_values(path: Path, at: Callable[[int], str] | None = None) -> Iterator
             yield line
 
     try:
-        with open(path, encoding="utf-8") as fh, jsonlines.Reader(numbered(fh)) as reader:
+        with io.TextIOWrapper(io.BytesIO(data), encoding="utf-8") as fh, \
+                jsonlines.Reader(numbered(fh), loads=loads) as reader:
             while True:
                 try:
                     value = reader.read(skip_empty=True)
@@ -207,8 +269,6 @@ def jsonl_values(path: Path, at: Callable[[int], str] | None = None) -> Iterator
         raise UserError(f"{at(exc.lineno)}: not valid JSON") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def _reject_constant(name: str):
@@ -265,6 +325,20 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _int(x) -> bool:
+    """An integer, and not ``true``/``false`` (which Python counts as ints)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(xs) -> bool:
+    return isinstance(xs, list) and all(_int(t) for t in xs)
+
+
+# A timed leg lasts from a nanosecond to ~four months, on a clock that started less than ~30
+# years ago: beyond those, a time is no measurement, and ratios of such times could overflow.
+MIN_LEG_S, MAX_LEG_S, MAX_CLOCK_S = 1e-9, 1e7, 1e9
+
+
 def _require(cond: bool, lineno: int, what: str) -> None:
     if not cond:
         raise StreamFormatError(f"line {lineno}: {what}")
@@ -284,24 +358,25 @@ def check_record(rec: dict, lineno: int) -> None:
     elif kind == "prompt":
         _require(isinstance(rec.get("id"), str) and rec["id"] != "", lineno, "prompt without a string id")
         ids = rec.get("token_ids")
-        _require(isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids), lineno,
-                 "prompt token_ids must be a non-empty list of integers")
+        _require(_ints(ids) and ids, lineno, "prompt token_ids must be a non-empty list of integers")
         warm = rec.get("warmup_ids", [0])
-        _require(isinstance(warm, list) and warm and all(isinstance(t, int) for t in warm), lineno,
+        _require(_ints(warm) and warm, lineno,
                  "prompt warmup_ids must be a non-empty list of integers")
     elif kind == "leg":
         _require(isinstance(rec.get("prompt_id"), str), lineno, "leg without prompt_id")
         _require(rec.get("role") in ROLES, lineno, f"leg role {rec.get('role')!r} is not control/candidate")
-        _require(isinstance(rec.get("leg"), int) and isinstance(rec.get("order"), int), lineno,
-                 "leg needs integer 'leg' and 'order'")
+        _require(_int(rec.get("leg")) and _int(rec.get("order")), lineno, "leg needs integer 'leg' and 'order'")
         for key in ("wall_s", "t_start", "t_end"):
             _require(_finite(rec.get(key)), lineno, f"leg {key} is missing or not a finite number")
         _require(rec["wall_s"] > 0, lineno, "leg wall_s must be positive")
-        toks = rec.get("tokens")
-        _require(isinstance(toks, list) and all(isinstance(t, int) for t in toks), lineno,
-                 "leg tokens must be a list of integers")
+        _require(MIN_LEG_S <= rec["wall_s"] <= MAX_LEG_S, lineno,
+                 f"leg wall_s {rec['wall_s']!r} is outside the plausible {MIN_LEG_S:g}..{MAX_LEG_S:g} seconds")
+        for key in ("t_start", "t_end"):
+            _require(abs(rec[key]) <= MAX_CLOCK_S, lineno,
+                     f"leg {key} {rec[key]!r} is beyond any clock's reading ({MAX_CLOCK_S:g} seconds)")
+        _require(_ints(rec.get("tokens")), lineno, "leg tokens must be a list of integers")
         mem = rec.get("peak_mem_bytes")
-        _require(mem is None or (isinstance(mem, int) and mem >= 0), lineno, "peak_mem_bytes must be null or >= 0")
+        _require(mem is None or (_int(mem) and mem >= 0), lineno, "peak_mem_bytes must be null or >= 0")
     elif kind == "summary":
         _require(isinstance(rec.get("prompt_id"), str), lineno, "summary without prompt_id")
         for key in ("control_median_s", "candidate_median_s", "ratio"):
@@ -310,7 +385,7 @@ def check_record(rec: dict, lineno: int) -> None:
         _require(isinstance(rec.get("at"), str) and isinstance(rec.get("problem"), str), lineno,
                  "violation record needs string 'at' and 'problem'")
     elif kind == "end":
-        _require(isinstance(rec.get("records"), int) and isinstance(rec.get("sha256"), str), lineno,
+        _require(_int(rec.get("records")) and isinstance(rec.get("sha256"), str), lineno,
                  "end record needs 'records' and 'sha256'")
 
 
@@ -319,13 +394,62 @@ def _reason(exc: jsonlines.InvalidLineError) -> str:
     return str(cause) if cause is not None else exc.args[0]
 
 
+# What a stream may hold, from its header's counts (``stream_size_cap``): the header itself; per
+# prompt its record (id, text, token ids and warm-up ids of a prompt of up to ~1M tokens) and a
+# summary; per leg its fields and decoder stats, plus per new token its id and the stats that grow
+# with it (a speculative decoder's depth trace). Whatever the counts, never more than
+# MAX_STREAM_BYTES.
+MAX_STREAM_BYTES = 512 << 20
+MAX_HEADER_BYTES = 1 << 20
+STREAM_BASE_BYTES = 1 << 20
+PROMPT_RECORD_BYTES = 16 << 20
+LEG_BASE_BYTES = 64 << 10
+LEG_TOKEN_BYTES = 256
+
+
+def stream_size_cap(header) -> tuple[int, str]:
+    """The most bytes a stream with this header can plausibly hold, and why (for the message):
+    proportional to its prompt count, legs and max_new_tokens where the header declares them,
+    MAX_STREAM_BYTES at most."""
+    info = header.get("prompts") if isinstance(header, dict) else None
+    count = info.get("count") if isinstance(info, dict) else None
+    legs, n = (header.get(k) if isinstance(header, dict) else None for k in ("legs", "max_new_tokens"))
+    if not all(_int(x) and x >= 1 for x in (count, legs, n)):
+        return MAX_STREAM_BYTES, f"a stream may hold (at most {MAX_STREAM_BYTES >> 20} MiB)"
+    per_prompt = PROMPT_RECORD_BYTES + 2 * legs * (LEG_BASE_BYTES + LEG_TOKEN_BYTES * n)
+    cap = min(MAX_STREAM_BYTES, STREAM_BASE_BYTES + count * per_prompt)
+    why = (f"its header's {count} prompt(s) x {legs} leg(s) per side of up to {n} tokens can fill"
+           if cap < MAX_STREAM_BYTES else f"a stream may hold (at most {MAX_STREAM_BYTES >> 20} MiB)")
+    return cap, why
+
+
+def read_stream_bytes(path: Path) -> bytes:
+    """A stream's bytes, read only from a regular file and only up to the size its header's counts
+    allow (``stream_size_cap``); StreamFormatError otherwise, before the rest is read."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise StreamFormatError(f"{path}: no such file")
+    fh, size = open_regular(path, StreamFormatError)
+    with fh:
+        first = fh.readline(MAX_HEADER_BYTES + 1)
+        if len(first) > MAX_HEADER_BYTES:
+            raise StreamFormatError(f"not a stream.jsonl: line 1 is longer than {MAX_HEADER_BYTES} bytes")
+        try:
+            header = loads(first.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            header = None  # parse_stream says what is wrong with line 1
+        cap, why = stream_size_cap(header)
+        return first + read_capped(fh, size, cap, path, why, StreamFormatError)
+
+
 def read_stream(path: Path) -> tuple[list[dict], dict]:
     """Parse and field-check every record. Returns (records, integrity) where integrity says
     whether the end record is present and whether its count and sha256 match the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise StreamFormatError(f"{path}: no such file")
-    raw = path.read_bytes()
+    return parse_stream(read_stream_bytes(path), path)
+
+
+def parse_stream(raw: bytes, path: Path) -> tuple[list[dict], dict]:
+    """``read_stream`` on the bytes of ``path`` already read (``read_stream_bytes``)."""
     if not raw.strip():
         raise StreamFormatError(f"{path}: empty file")
     lines = raw.split(b"\n")

@@ -87,7 +87,8 @@ def get_decoder(spec: str, **kwargs):
         decoder = factory(**kwargs) if callable(factory) else factory
     except (TypeError, ValueError) as exc:
         if not kwargs:
-            raise
+            raise UserError(f"decoder {spec!r} could not be built with no arguments ({type(exc).__name__}: {exc}); "
+                            "a plug-in is a decoder class or a zero-argument factory") from None
         # name the arguments the constructor takes, from its signature (and its bases' where it
         # passes **kwargs on), rather than Python's TypeError
         targets = [k for k in factory.__mro__[:-1] if "__init__" in vars(k)] if isinstance(factory, type) else [factory]

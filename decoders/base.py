@@ -66,7 +66,13 @@ class Decoder(Protocol):
         """Bind to a loaded model (core.models.LoadedModel); may allocate and warm up."""
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
-        """Greedy-decode at most ``max_new_tokens`` tokens after ``prompt_ids``, stopping after EOS."""
+        """Greedy-decode at most ``max_new_tokens`` tokens after ``prompt_ids``, stopping after EOS.
+
+        Optional: a keyword-only ``on_tokens`` (default None), called with each batch of newly
+        emitted tokens as the decode goes (a step's token, a verify round's kept tokens), already
+        cut at the stop: the batches concatenate to ``DecodeResult.tokens``. It changes no token.
+        An exception it raises ends the decode; the next decode must still be exact. Decoders
+        without it still work with ``decoders.api`` (their tokens come as one batch at the end)."""
 
     def config(self) -> dict:
         """Settings that define this decoder's behaviour, recorded in the run header."""

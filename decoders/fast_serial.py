@@ -38,7 +38,7 @@ class FastSerialDecoder:
         return self.runtime
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + 1)
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
@@ -46,9 +46,13 @@ class FastSerialDecoder:
         stats.forwards += 1
         nxt = logits.argmax(-1)
         tokens = [int(nxt.item())]
+        if on_tokens is not None:
+            on_tokens(tokens[-1:])
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             prog = rt.step(nxt)
             stats.forwards += 1
             nxt = prog.ws["argmax"].view(1)
             tokens.append(int(nxt.item()))
+            if on_tokens is not None:
+                on_tokens(tokens[-1:])
         return DecodeResult(tokens, stats)

@@ -26,7 +26,7 @@ class SerialDecoder:
                 if self.model else None}
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         lm = self.model.backbone
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
@@ -39,6 +39,8 @@ class SerialDecoder:
             nxt = out.logits[:, -1].argmax(-1)
             tok = int(nxt.item())
             tokens.append(tok)
+            if on_tokens is not None:
+                on_tokens([tok])
             if tok in eos or len(tokens) >= max_new_tokens:
                 break
             out = lm(input_ids=nxt.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -50,7 +50,9 @@ from decoders.trace import load as load_trace
 
 class PhaseTimer:
     """Time per decode phase: CUDA events on the GPU (read once at the end), host clock on CPU.
-    ``with timer.phase("verify"): ...`` times one phase; phases do not nest."""
+    ``with timer.phase("verify"): ...`` times one phase; phases do not nest. Phases: ``step``
+    (plain steps, probes' steps included), ``draft``, ``verify`` (the windows), ``rollback``,
+    ``other`` (the prefill)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -137,6 +139,8 @@ class SpecDecoder:
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
             raise ValueError("max_depth must be within 0..15")
+        if self.fixed is not None and self.fixed < 0:
+            raise ValueError(f"depth must be >= 0 (0: plain steps only), not {self.fixed}")
         self.shortlist_path = shortlist
         self.head_dir = head
         self.head = None
@@ -275,7 +279,7 @@ class SpecDecoder:
         return drafts
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy(len(prompt_ids))
@@ -285,6 +289,8 @@ class SpecDecoder:
             pending = self._prefill(prompt_ids)
             tokens = [int(pending.y.item())]
         stats.forwards += 1
+        if on_tokens is not None:
+            on_tokens(tokens[:])
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
@@ -312,7 +318,7 @@ class SpecDecoder:
             elif depth == 0 or drafting:
                 policy.observe(depth, now - last, len(new) if depth == 0 else 1)
             if depth == 0:  # plain steps' time, by the host clock (a probe's draft is in its phase)
-                timer.add("verify", now - step_from)
+                timer.add("step", now - step_from)
             if draft is not None:
                 hit = int(draft.item()) == new[0]
                 policy.update(1, int(hit))
@@ -320,7 +326,11 @@ class SpecDecoder:
                 stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
             stats.forwards += len(new) if depth == 0 else 1
-            tokens += new[:stop_index(new, eos, max_new_tokens - len(tokens))]
+            new = new[:stop_index(new, eos, max_new_tokens - len(tokens))]
+            tokens += new
+            if on_tokens is not None:
+                on_tokens(new)
+                last = time.perf_counter()  # the callback's time belongs to no round
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
         return DecodeResult(tokens, stats)
@@ -450,14 +460,14 @@ class InstrumentedSpecDecoder(SpecDecoder):
         self.reference[tuple(prompt_ids)] = ref
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         key = tuple(prompt_ids)
         if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
             self.prepare_prompt(prompt_ids, max_new_tokens)
         self._ref = self.reference[key]
         self._row = self.trace.row_for(prompt_ids) if self.trace is not None else None
         self._rng = torch.Generator().manual_seed(self.seed)  # the same substitutions on every leg
-        return super().decode(prompt_ids, max_new_tokens)
+        return super().decode(prompt_ids, max_new_tokens, on_tokens=on_tokens)
 
     def right(self, emitted: int, k: int) -> bool:
         """Whether the round's k-th draft (1-based) is to be the control's token; the round

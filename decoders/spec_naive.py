@@ -35,7 +35,7 @@ class SpecNaiveDecoder:
         return {"k": self.k, "head_state": "fresh each round", "repair": "re-run accepted block"}
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
         lm, head, dev = self.model.backbone, self.model.mtp, self.model.device
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats(extra={"repairs": 0})
@@ -46,6 +46,8 @@ class SpecNaiveDecoder:
         nxt = lm.lm_head(hidden).argmax(-1).view(1, 1)  # token at absolute position `pos`
         pos = len(prompt_ids)
         tokens = [int(nxt.item())]
+        if on_tokens is not None:
+            on_tokens(tokens[:])
         if tokens[-1] in eos or max_new_tokens <= 1:
             return DecodeResult(tokens, stats)
         while True:
@@ -61,11 +63,14 @@ class SpecNaiveDecoder:
             stats.record_round(self.k, j)
             new = [int(d) for d in drafts[:j]] + [int(pred[j])]
             done = False
+            start = len(tokens)
             for t in new:
                 tokens.append(t)
                 if t in eos or len(tokens) >= max_new_tokens:
                     done = True
                     break
+            if on_tokens is not None:
+                on_tokens(tokens[start:])
             if done:
                 break
             if j < self.k:  # rejected: roll back by copy and re-run the accepted block

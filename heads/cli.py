@@ -1,129 +1,96 @@
 """``heads``: draft-head tools.
 
-    heads train --model MODEL --prompts PROMPTS [-n 128] [--steps N] [--lr LR] [--eval-every K]
-                [--depth 4] [--batch 4] [--patience 3] [--shortlist-size K] [--seed 0]
-                [--gen-batch 32] [--gen-dtype model] [--max-heldout N] [--max-dev N]
-                [--device DEV] [--force-save] --out DIR
+``heads train`` trains (distils) a backbone's MTP draft head on the backbone's own greedy
+generations (heads/train.py) and saves it as a head directory (heads/__init__.py).
 
 Exit codes: 0 head saved; 1 not saved because it is not better than the starting head on held-out
-mean accepted length (pass --force-save to save it anyway); 2 bad input (one ``error:`` line).
-Progress goes to stderr; the before/after summary to stdout.
+mean accepted length (pass --force-save to save it anyway); 2 bad input (one ``error:`` line);
+130 interrupted (Ctrl-C; one line saying what was written). Progress goes to stderr (a bar with
+an ETA on a terminal); the before/after summary to stdout.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-from core.errors import UserError
+import click
+
+from core.clirun import run_command
+from core.version import version_option
+from heads.run import TrainRequest, run_train
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+POSITIVE = click.IntRange(min=1)
 
 
-def _check_out(out: Path, model_dir: str, head_file: str) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} exists and is not a directory")
-    if (out / head_file).exists():
-        raise UserError(f"--out {str(out)!r} already holds {head_file}; pick another directory")
-    p = Path(model_dir)
-    if p.is_dir() and out.resolve() == p.resolve():
-        raise UserError("--out must not be the model's checkpoint directory (the backbone's files are never touched)")
-    parent = out if out.exists() else out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {str(out)!r} is not writable")
+@click.group(context_settings=CONTEXT)
+@version_option
+def heads():
+    """Draft-head tools: train a backbone's MTP draft head for `spec`."""
 
 
-def cmd_train(args) -> int:
-    # torch and the pipeline load for a command, not for --help (start-up time), and after pin()
-    from core import determinism
+@heads.command("train", short_help="Train/distil the MTP draft head on the backbone's own greedy generations.")
+@version_option
+@click.option("--model", required=True, metavar="MODEL",
+              help="Checkpoint directory or built-in name (small, tiny, synthetic-9b).")
+@click.option("--prompts", required=True, metavar="PROMPTS",
+              help="Prompt set: a jsonl file, or a built-in set (stdlib-train for small, or stdlib-train:N for N "
+                   "snippets, e.g. stdlib-train:2048; random-512-offline for synthetic-9b; dev).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="Head directory to write (mtp.safetensors, draft_shortlist.json, report.json). Refused if it "
+                   "already holds a head or is the model's own directory.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Greedy tokens generated per prompt.")
+@click.option("--steps", type=POSITIVE, default=200, show_default=True,
+              help="Optimizer steps at most (early stopping may end sooner).")
+@click.option("--lr", type=click.FloatRange(min=0), default=3e-4, show_default=True,
+              help="AdamW learning rate of the fp32 head copy.")
+@click.option("--eval-every", type=POSITIVE, default=50, show_default=True,
+              help="Steps between evaluations (dev loss, held-out acceptance).")
+@click.option("--depth", type=POSITIVE, default=4, show_default=True, help="Draft depth of the acceptance measurement.")
+@click.option("--batch", type=POSITIVE, default=4, show_default=True, help="Train sequences per step.")
+@click.option("--patience", type=POSITIVE, default=3, show_default=True,
+              help="Evaluations without dev-loss improvement before stopping.")
+@click.option("--shortlist-size", type=POSITIVE, default=32768, show_default=True,
+              help="Draft shortlist ids (capped at the vocabulary).")
+@click.option("--seed", type=int, default=0, show_default=True, help="torch's seed and the batch sampler's.")
+@click.option("--gen-batch", type=POSITIVE, default=32, show_default=True, metavar="B",
+              help="Generate the TRAIN split's continuations B sequences at a time (plain HF forwards; each batch's "
+                   "prompts left-truncated to its shortest; may differ from exact greedy at near-ties, which is "
+                   "fine for training data). Dev and held-out are always generated exactly by fast-serial. "
+                   "1: train exactly too (slow).")
+@click.option("--gen-dtype", type=click.Choice(["model", "float32"]), default="model", show_default=True,
+              help="Dtype of the batched train generation: the model's own, or a float32 copy of the backbone (on "
+                   "a CPU ~4x faster than bf16, but its greedy stream departs from the bf16 backbone's more "
+                   "often). Hidden states and evaluation always use the model itself.")
+@click.option("--max-heldout", type=POSITIVE, default=None, show_default="20% of the set", metavar="N",
+              help="At most N held-out prompts. Held-out and dev streams are generated exactly, one prompt at a "
+                   "time: cap them for a large set; the rest goes to train.")
+@click.option("--max-dev", type=POSITIVE, default=None, show_default="10% of the set", metavar="N",
+              help="At most N dev prompts.")
+@click.option("--device", default=None, show_default="cuda if available, else cpu", metavar="DEV",
+              help="cpu, cuda or cuda:N; checked before anything loads.")
+@click.option("--force-save", is_flag=True, show_default=True, help="Save the head even if it is not better than the starting head.")
+def train_cmd(model, prompts, out, device, force_save, gen_dtype, **settings):
+    """Train (distil) MODEL's MTP draft head on its own greedy continuations of PROMPTS.
 
-    determinism.pin()
-    import torch
-    import transformers
+    The prompts are split by sha256 of their id into held-out (~20%), dev (~10%) and train. Dev
+    loss stops training early; held-out mean accepted length selects the checkpoint and gives the
+    before/after figures. The backbone is never written. The head is saved to --out only if it is
+    better than the starting head on held-out mean accepted length (or with --force-save); `spec`
+    drafts with it given `--decoder-arg head=DIR`.
 
-    from core.models import load_model
-    from core.prompts import load_prompts
-    from heads import train as T
-
-    transformers.logging.set_verbosity_error()
-    try:
-        cfg = T.HeadTrainConfig(max_new_tokens=args.max_new_tokens, steps=args.steps, lr=args.lr,
-                                eval_every=args.eval_every, depth=args.depth, batch=args.batch,
-                                patience=args.patience, seed=args.seed, shortlist_size=args.shortlist_size,
-                                gen_batch=args.gen_batch,
-                                gen_dtype=None if args.gen_dtype == "model" else getattr(torch, args.gen_dtype),
-                                max_heldout=args.max_heldout, max_dev=args.max_dev)
-        _check_out(args.out, args.model, T.HEAD_FILE)
-        model = load_model(args.model, args.device)
-        if model.mtp is None:
-            raise UserError(f"model {model.name} has no MTP head to train: {model.mtp_missing}")
-        prompts, info = load_prompts(args.prompts, model)
-        if not prompts:
-            raise UserError("the prompt set is empty")
-        res = T.train_head(model, prompts, cfg)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    report = res["report"]
-    report["prompts"] = info
-    for line in T.summary_lines(report):
-        print(line)
-    g = report["generation"]
-    print(f"generation: {g['tokens']} tokens in {g['seconds']:.1f} s over {g['prompts']} prompts")
-    for k in ("train", "dev", "heldout"):
-        c = g[k]
-        print(f"  {k}: {c['tokens']} tokens in {c['seconds']:.1f} s ({c['tokens_per_s'] or 0:.1f} tokens/s, "
-              f"{c['decoder']}{'' if c.get('exact', True) else ', not exact'})")
-    if res["state"] is None:
-        print("error: no trained checkpoint was evaluated (--steps 0?); nothing saved", file=sys.stderr)
-        return 1
-    if not res["improved"] and not args.force_save:
-        print("not saved: the trained head is not better than the starting head on held-out mean accepted "
-              "length; pass --force-save to save it anyway", file=sys.stderr)
-        return 1
-    report["forced"] = not res["improved"]
-    T.save_head(args.out, res["state"], res["shortlist"], report)
-    print(f"wrote {args.out}: {T.HEAD_FILE}, draft_shortlist.json, {T.REPORT_FILE}"
-          + (" (forced: not better than the starting head)" if report["forced"] else ""))
-    return 0
+    \b
+    Exit codes: 0 head saved; 1 not saved (not better; pass --force-save);
+    2 bad input (one `error:` line); 130 interrupted (Ctrl-C).
+    """
+    return run_train(TrainRequest(model=model, prompts=prompts, out=out, device=device, force_save=force_save,
+                                  gen_dtype=gen_dtype, settings=tuple(sorted(settings.items()))))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="heads", description="Draft-head tools")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train/distil the MTP draft head on the backbone's own greedy generations",
-                       description=__doc__.split("\n\n")[1])
-    t.add_argument("--model", required=True, help="checkpoint directory or built-in name (small, tiny, synthetic-9b)")
-    t.add_argument("--prompts", required=True, help="prompt set: jsonl file, or a built-in set (stdlib-train for small, "
-                   "or stdlib-train:N for N snippets, e.g. stdlib-train:2048; random-512-offline for synthetic-9b; dev)")
-    t.add_argument("--gen-batch", type=int, default=32, metavar="B",
-                   help="generate the TRAIN split's continuations B sequences at a time (plain HF forwards; each "
-                        "batch's prompts left-truncated to its shortest; may differ from exact greedy at near-ties, "
-                        "which is fine for training data). Dev and held-out are always generated exactly by "
-                        "fast-serial. 1: train exactly too (slow). Default: 32")
-    t.add_argument("--gen-dtype", choices=["model", "float32"], default="model",
-                   help="dtype of the batched train generation: the model's own (default) or a float32 copy of "
-                        "the backbone (on a CPU ~4x faster than bf16, but its greedy stream departs from the bf16 "
-                        "backbone's more often); hidden states and evaluation always use the model itself")
-    t.add_argument("--max-heldout", type=int, default=None, metavar="N",
-                   help="at most N held-out prompts (default: 20%% of the set). Held-out and dev streams are "
-                        "generated exactly, one prompt at a time: cap them for a large set; the rest goes to train")
-    t.add_argument("--max-dev", type=int, default=None, metavar="N", help="at most N dev prompts (default: 10%% of the set)")
-    t.add_argument("-n", "--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
-    t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--eval-every", type=int, default=50)
-    t.add_argument("--depth", type=int, default=4, help="draft depth of the acceptance measurement")
-    t.add_argument("--batch", type=int, default=4, help="sequences per step")
-    t.add_argument("--patience", type=int, default=3, help="evaluations without dev-loss improvement before stopping")
-    t.add_argument("--shortlist-size", type=int, default=32768)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default=None)
-    t.add_argument("--force-save", action="store_true", help="save even if not better than the starting head")
-    t.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    return cmd_train(args)
+def main(argv: list[str] | None = None) -> int:
+    """The ``heads`` command; returns its exit status (the console script exits with it)."""
+    return run_command(heads, argv, "heads")
 
 
 if __name__ == "__main__":

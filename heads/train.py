@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import math
 import sys
 import time
@@ -50,17 +51,17 @@ from transformers import DynamicCache
 
 from core.errors import UserError
 from core.prompts import Prompt
-from core.schema import write_json_atomic
 from decoders import shortlist as draft_shortlist
 from decoders.drafter import HEAD_FILE, SHORTLIST_FILE  # one name for each file, shared with spec
 from decoders.fast_serial import FastSerialDecoder
 from training.acceptance import acceptance_runs, summarize_acceptance
+from training.log import progress, progress_write
 
 REPORT_FILE = "report.json"
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    progress_write(msg, sys.stderr)
 
 
 # --------------------------------------------------------------------------- splits
@@ -104,10 +105,12 @@ def generate(model, prompts: list, max_new_tokens: int, label: str = "", dec=Non
         dec.prepare(model)
     streams, tokens = [], 0
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        streams.append(list(dec.decode(p.token_ids, max_new_tokens).tokens))
-        tokens += len(streams[-1])
-        log(f"generated {label}{i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+    with progress(len(prompts), f"generate {label.strip() or 'prompts'}", "prompt") as bar:
+        for i, p in enumerate(prompts):
+            streams.append(list(dec.decode(p.token_ids, max_new_tokens).tokens))
+            tokens += len(streams[-1])
+            bar.update(1)
+            log(f"generated {label}{i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
     seconds = time.perf_counter() - t0
     return streams, _cost(len(prompts), tokens, seconds, max_new_tokens, FastSerialDecoder.name)
 
@@ -157,32 +160,15 @@ def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32,
     by_id, n_done, tokens = {}, 0, 0
     groups = equal_length_batches(prompts, batch)
     t0 = time.perf_counter()
-    for group in groups:
-        cache = DynamicCache(config=lm.config)
-        ids = torch.tensor([p.token_ids for p in group], device=dev)
-        out = lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        alive = list(range(len(group)))  # the group's rows still in the batch, in cache order
-        toks: list[list[int]] = [[] for _ in group]
-        while True:
-            nxt = out.logits[:, -1].argmax(-1)
-            keep = []
-            for r, (g, t) in enumerate(zip(alive, nxt.tolist())):
-                toks[g].append(t)
-                if t not in eos and len(toks[g]) < max_new_tokens:
-                    keep.append(r)
-            if not keep:
-                break
-            if len(keep) < len(alive):
-                sel = torch.tensor(keep, device=dev)
-                cache.reorder_cache(sel)  # every layer: attention K/V, conv and recurrent states
-                nxt = nxt.index_select(0, sel)
-                alive = [alive[r] for r in keep]
-            out = lm(input_ids=nxt.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for p, s in zip(group, toks):
-            by_id[p.id] = (p, s)
-            tokens += len(s)
-        n_done += len(group)
-        log(f"generated {label}{n_done}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+    with progress(len(prompts), f"generate {label.strip() or 'prompts'} (batched)", "prompt") as bar:
+        for group in groups:
+            toks = _generate_group(lm, group, dev, eos, max_new_tokens)
+            for p, s in zip(group, toks):
+                by_id[p.id] = (p, s)
+                tokens += len(s)
+            n_done += len(group)
+            bar.update(len(group))
+            log(f"generated {label}{n_done}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
     seconds = time.perf_counter() - t0
     used = [by_id[p.id][0] for p in prompts]
     streams = [by_id[p.id][1] for p in prompts]
@@ -200,6 +186,30 @@ def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32,
         "truncated": {p.id: [a, b] for p, a, b in zip(prompts, orig, kept) if a != b},
     })
     return used, streams, cost
+
+
+def _generate_group(lm, group: list, dev, eos: set, max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of one group of equal-length prompts (``generate_batched``)."""
+    cache = DynamicCache(config=lm.config)
+    ids = torch.tensor([p.token_ids for p in group], device=dev)
+    out = lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    alive = list(range(len(group)))  # the group's rows still in the batch, in cache order
+    toks: list[list[int]] = [[] for _ in group]
+    while True:
+        nxt = out.logits[:, -1].argmax(-1)
+        keep = []
+        for r, (g, t) in enumerate(zip(alive, nxt.tolist())):
+            toks[g].append(t)
+            if t not in eos and len(toks[g]) < max_new_tokens:
+                keep.append(r)
+        if not keep:
+            return toks
+        if len(keep) < len(alive):
+            sel = torch.tensor(keep, device=dev)
+            cache.reorder_cache(sel)  # every layer: attention K/V, conv and recurrent states
+            nxt = nxt.index_select(0, sel)
+            alive = [alive[r] for r in keep]
+        out = lm(input_ids=nxt.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
 def generate_splits(model, splits: dict, max_new_tokens: int, gen_batch: int = 32,
@@ -418,8 +428,9 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
     train_losses = []
     t0 = time.perf_counter()
     step = 0
-    with _training_determinism(model.device):
+    with _training_determinism(model.device), progress(cfg.steps, "train head", "step") as bar:
         for step in range(1, cfg.steps + 1):
+            bar.update(1)
             idx = torch.randint(len(data["train"]), (cfg.batch,), generator=gen).tolist()
             opt.zero_grad(set_to_none=True)
             tot = 0.0
@@ -481,13 +492,29 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
 
 
 def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
+    """Write the head directory. All three files are written under temporary names first, then
+    renamed into place, the head file last: a head file exists only when the whole save did, and
+    an interruption leaves no temporary file behind."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (HEAD_FILE + ".tmp")
-    save_file({"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
-              metadata={"format": "pt", "selected_step": str(report.get("selected_step"))})
-    tmp.replace(out / HEAD_FILE)
-    write_json_atomic(out / SHORTLIST_FILE, shortlist)
-    write_json_atomic(out / REPORT_FILE, report)
+    tensors = {"mtp." + k: v.detach().cpu().contiguous() for k, v in state.items()}
+    meta = {"format": "pt", "selected_step": str(report.get("selected_step"))}
+    writers = {HEAD_FILE: lambda path: save_file(tensors, str(path), metadata=meta),
+               SHORTLIST_FILE: lambda path: path.write_text(_json_text(shortlist)),
+               REPORT_FILE: lambda path: path.write_text(_json_text(report))}
+    staged = []  # (temporary, final) paths
+    try:
+        for name, write in writers.items():
+            staged.append((out / f".{name}.tmp", out / name))
+            write(staged[-1][0])
+        for tmp, final in reversed(staged):  # the head file last
+            tmp.replace(final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def _json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def summary_lines(report: dict) -> list[str]:

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import click
 
+from core.version import version_option
 from core.errors import UserError, fail
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@version_option
 def main():
     """Reports on harness runs: what was timed, how fast, whether it was exact.
 
@@ -21,6 +23,7 @@ def main():
 
 
 @main.command("render", short_help="Write report.md and figures for a run directory.")
+@version_option
 @click.argument("run_dir", type=click.Path(path_type=Path), metavar="RUN_DIR")
 @click.option("--debug", is_flag=True, help="On an unexpected failure show the traceback, not one line.")
 def render_cmd(run_dir: Path, debug: bool):

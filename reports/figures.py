@@ -28,12 +28,16 @@ LABEL_CHARS = 38  # longer prompt ids are shortened in tick labels (the report's
 ROLE_COLORS = {CONTROL_ROLE: "#7f7f7f", PRIMARY_ROLE: "#1f77b4"}
 EXTRA_COLORS = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 VERDICT_COLORS = {"exact": "#2e7d32", "diverged": "#c62828", "not replayed": "#ef6c00", "not audited": "#9e9e9e"}
-PHASE_COLORS = {"draft": "#4c72b0", "verify": "#dd8452", "rollback": "#c44e52", "other": "#b0b0b0"}
+PHASE_COLORS = {"step": "#55a868", "draft": "#4c72b0", "verify": "#dd8452", "rollback": "#c44e52",
+                "other": "#b0b0b0"}
 DEPTH_TRACE_PROMPTS = 4
 LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 0.6}
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+PHASE_LABELS = {"step": "step (plain steps)", "verify": "verify (windows)"}
 
 
 def new_figure(height: float, width: float = WIDTH) -> Figure:
@@ -321,7 +325,8 @@ def plot_memory(summary: dict, path: Path) -> bool:
 
 
 def plot_time_split(summary: dict, path: Path) -> bool:
-    """Stacked bars: a decode's time in draft / verify / rollback / other (median over legs)."""
+    """Stacked bars: a decode's time in step (plain steps) / draft / verify (windows) / rollback /
+    other (median over legs)."""
     rows = [(p, r) for p in summary["prompts"] for r in summary["roles"] if p["time_split"].get(r)]
     if not rows:
         return False
@@ -351,7 +356,7 @@ def plot_time_split(summary: dict, path: Path) -> bool:
     ax.set_xlabel(f"time per decode ({unit}, median over legs, by phase)")
     ax.grid(axis="x", alpha=0.3)
     titles(ax, "Where a decode's time goes", None if multi_role else role_label(summary, rows[0][1]))
-    handles = [Patch(color=colors[ph], label=ph) for ph in phases]
+    handles = [Patch(color=colors[ph], label=PHASE_LABELS.get(ph, ph)) for ph in phases]
     legend_below(fig, handles)
     return save(fig, path)
 

@@ -174,7 +174,7 @@ def speedup_section(summary: dict, figures: dict) -> str:
     roles = others(summary)
     primary = summary["primary_role"]
     head = ["prompt", "prompt tokens", "new tokens", f"{name_of(summary, CONTROL_ROLE)} median (s)"]
-    head += [f"{name_of(summary, r)} median (s)" for r in roles]
+    head += [h for r in roles for h in (f"{name_of(summary, r)} first leg (s)", f"{name_of(summary, r)} median (s)")]
     head += [f"ratio {name_of(summary, r)} (raw legs)" for r in roles]
     head += ["harness ratio", "audit ratio", "exact"]
     rows = []
@@ -187,12 +187,13 @@ def speedup_section(summary: dict, figures: dict) -> str:
             verdict += "; warm-leg flag"
         rows.append([f"`{p['id']}`", p["prompt_tokens"], p["new_tokens"].get(primary, "—"),
                      secs(p["median_s"][CONTROL_ROLE])]
-                    + [secs(p["median_s"].get(r)) for r in roles]
+                    + [secs(v) for r in roles for v in (p["first_s"].get(r), p["median_s"].get(r))]
                     + [ratio(p["ratio"].get(r)) for r in roles]
                     + [ratio(p["harness_ratio"]), ratio(p["audit_ratio"]), verdict])
     return ("## Speedup per prompt\n\n" + figure(figures, "speedup") + "\n\n"
             "Medians over each prompt's timed legs; ratio = control median ÷ the candidate's first timed leg "
-            "(its first encounter with the prompt). "
+            "(its first encounter with the prompt), so the control median divided by the first-leg column "
+            "gives the ratio column; the candidate's median is shown beside it. "
             "The harness and audit columns are their own numbers, shown for comparison.\n\n"
             + table(head, rows))
 
@@ -260,7 +261,7 @@ def memory_section(summary: dict, figures: dict) -> str:
 def time_split_section(summary: dict, figures: dict) -> str:
     if not figures.get("time_split"):
         return ("## Time split of a decode\n\nNot recorded: no leg's stats carry a `time_split` "
-                "(draft / verify / rollback / other).")
+                "(step / draft / verify / rollback / other).")
     rows_data = [(p, r) for p in summary["prompts"] for r in summary["roles"] if p["time_split"].get(r)]
     phases = list(PHASES)
     for p, r in rows_data:
@@ -274,7 +275,8 @@ def time_split_section(summary: dict, figures: dict) -> str:
                        for ph in phases] + [f"{1e3 * total:.2f}"])
     return ("## Time split of a decode\n\n" + figure(figures, "time_split") + "\n\n"
             "Milliseconds per decode by phase (median over legs that recorded a split), share of the total in "
-            "brackets.\n\n" + table(["prompt", "decoder"] + phases + ["total"], rows))
+            "brackets. step: plain steps (a probe's step included); verify: the verify windows of drafted "
+            "rounds.\n\n" + table(["prompt", "decoder"] + phases + ["total"], rows))
 
 
 def verified_text(retime: dict) -> str:

@@ -19,7 +19,7 @@ from core.schema import prompt_ratio
 from reports.load import CONTROL_ROLE, Run
 
 PRIMARY_ROLE = "candidate"  # the role the harness header and the audit describe
-PHASES = ("draft", "verify", "rollback", "other")  # time_split order; unknown phases follow
+PHASES = ("step", "draft", "verify", "rollback", "other")  # time_split order; unknown phases follow
 REL_TOL = 1e-9  # harness summaries are the same floats recomputed; anything more is a disagreement
 
 
@@ -86,6 +86,7 @@ def prompt_row(run: Run, prompt: dict, audit_row: dict | None) -> dict:
         "legs": {r: len(v) for r, v in legs.items()},
         "new_tokens": {r: len(v[0]["tokens"]) for r, v in legs.items()},
         "median_s": median_s,
+        "first_s": {r: first_leg_wall(v) for r, v in legs.items()},
         "leg_wall_s": {r: [leg["wall_s"] for leg in v] for r, v in legs.items()},
         "leg_ms_per_token": leg_ms,
         "ms_per_token": {r: _median(v) for r, v in leg_ms.items()},

@@ -1,5 +1,6 @@
 """A token audit (``audit tokens``' ``audit_tokens.json``) in the report: a per-generation exactness
-table and a histogram of the divergence margins.
+table and a histogram of the divergences' logit gaps against the near-tie tolerance, wrong stops
+beside them.
 
 A run directory holding only ``audit_tokens.json`` (beside the engine's generations) gets a report
 of its own (``report_text``); beside a ``stream.jsonl`` the same section is appended to the run's
@@ -24,6 +25,7 @@ FIGURE_STEM = "token_margins"
 VERDICTS = ("exact", "near-ties only", "real divergences")
 CLASSES = ("near-tie", "real", "stop")
 CLASS_COLORS = {"near-tie": "#ef6c00", "real": "#c62828"}
+STOP_COLOR = "#6a1b9a"
 
 
 # --------------------------------------------------------------------------- reading
@@ -83,32 +85,47 @@ def need(path, obj: dict, key: str, ok, what: str, prefix: str = "") -> None:
 
 
 def plot_margins(doc: dict, path: Path) -> bool:
-    """Histogram of the top-1/top-2 margin at each first divergence (stops have none), by class.
-    False when no generation diverged on a token."""
-    divs = [g["first_divergence"] for g in doc["generations"]
-            if g["first_divergence"] and g["first_divergence"]["margin"] is not None
-            and g["first_divergence"]["class"] in CLASS_COLORS]
-    if not divs:
-        return False
+    """The divergences figure (``margins_figure``) saved to ``path``; False when nothing diverged."""
+    fig = margins_figure(doc)
+    return fig is not None and save(fig, path)
+
+
+def margins_figure(doc: dict):
+    """Histogram of the logit gap (greedy − emitted) at each first divergence on a token, by class,
+    with the near-tie tolerance the class was decided by; wrong stops (no gap to draw) as a bar of
+    their own at the right. None when nothing diverged."""
+    gens = [g["first_divergence"] for g in doc["generations"] if g["first_divergence"]]
+    divs = [d for d in gens if d["class"] in CLASS_COLORS and d.get("gap") is not None]
+    stops = [d for d in gens if d["class"] == "stop"]
+    if not divs and not stops:
+        return None
     fig = new_figure(3.8)
     ax = fig.add_subplot()
-    top = max(d["margin"] for d in divs)
-    bins = [top * i / 20 for i in range(21)] if top > 0 else [0.0, 1.0]
-    data = [[d["margin"] for d in divs if d["class"] == c] for c in CLASS_COLORS]
+    tols = sorted({d["tolerance"] for d in divs if d.get("tolerance") is not None})
+    if doc["tie_margin"]["mode"] == "fixed":
+        tols = [doc["tie_margin"]["value"]]
+    top = max([d["gap"] for d in divs] + tols + [0.0]) or 1.0
+    bins = [top * i / 20 for i in range(21)]
+    data = [[d["gap"] for d in divs if d["class"] == c] for c in CLASS_COLORS]
     ax.hist(data, bins=bins, stacked=True, color=list(CLASS_COLORS.values()),
             label=[f"{c} ({len(v)})" for c, v in zip(CLASS_COLORS, data)])
-    tm = doc["tie_margin"]
-    if tm["mode"] == "fixed":
-        ax.axvline(tm["value"], color="black", linestyle="--", linewidth=1, label=f"tie margin {tm['value']:g}")
-        sub = f"near-tie: greedy logit at most {tm['value']:g} above the emitted token's"
-    else:
-        sub = f"near-tie: within {tm['ulps']} ulps of {tm.get('dtype', 'bf16')} at the top-1 logit"
-    ax.set_xlabel("top-1 − top-2 logit at the first divergence")
+    for i, tol in enumerate(tols):  # in ulps mode, one line per top-1 magnitude met
+        ax.axvline(tol, color="black", linestyle="--", linewidth=1,
+                   label=f"tie tolerance ({tolerance_text(doc)})" if i == 0 else None)
+    stop_x = top * 1.12
+    if stops:
+        ax.bar(stop_x, len(stops), width=top / 20, color=STOP_COLOR, hatch="//", edgecolor="black",
+               linewidth=0.4, label=f"stop ({len(stops)}): wrong stop, no gap")
+        ticks = [t for t in ax.get_xticks() if 0 <= t <= top]
+        ax.set_xticks(ticks + [stop_x], [f"{t:g}" for t in ticks] + ["stop"])
+    ax.set_xlim(0, stop_x + top / 10 if stops else top * 1.05)
+    ax.set_xlabel("greedy − emitted logit at the first divergence")
     ax.set_ylabel("generations")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(frameon=False, loc="upper center")
-    titles(ax, f"Divergence margins ({len(divs)} of {doc['counts']['generations']} generations)", sub)
-    return save(fig, path)
+    sub = f"near-tie: gap at most the tolerance, {tolerance_text(doc)}"
+    titles(ax, f"Divergences ({len(divs) + len(stops)} of {doc['counts']['generations']} generations)", sub)
+    return fig
 
 
 # --------------------------------------------------------------------------- text
@@ -173,9 +190,9 @@ def section(doc: dict, figure: str | None, source: str) -> str:
                          d["class"] if d else "—"] + ([parting_cell(g.get("reference"))] if ref else []))
     parts = ["## Token audit", table(["", ""], rows)]
     if figure:
-        parts.append(f"![Divergence margins]({figure})")
+        parts.append(f"![Divergences]({figure})")
     else:
-        parts.append("No generation diverged on a token: no margins to draw.")
+        parts.append("No generation diverged on a token or a stop: nothing to draw.")
     parts += ["A divergence is a near-tie when the pristine logit of the greedy token exceeds the emitted "
               "token's by at most the tolerance (the order of the arithmetic alone can flip it); above it, or a "
               "wrong stop, it is real. Margin: greedy top-1 − top-2 logit; gap: greedy − emitted logit.",

@@ -17,6 +17,20 @@ Attacks on the timing from inside the harness's process (tests/test_timing_integ
   PatchesClock        prepare() replaces time.perf_counter with a slower one
   RewritesLegs        prepare() makes the stream's writer cut its legs to a quarter as they are written
 
+The same, from the end of the candidate's first timed leg (``TampersInLeg``), left in place for
+the control's legs that follow; each pauses while the candidate itself decodes:
+
+  TracesControl       a sys.settrace hook that burns time on every call of the control's decode
+  ProfilesControl     the same through sys.setprofile
+  TracesNewThreads    threading.settrace/setprofile hooks for the threads started later
+  SpinningThread      a thread that spins holding the GIL (threading.Thread, or ``raw``: _thread)
+  TunesGc             gc: thresholds that collect all the time, a callback that burns time on
+                      each collection, or the collector switched off
+  TorchThreads        more intra-op threads than the run began with
+  AlarmsControl       an interval timer whose SIGALRM handler burns time
+  EditsLegRecords     walks up the frames to the harness's list of this prompt's records and
+                      inflates the control's legs (in place, or swaps in a forged record)
+
 Each is built the way a real shortcut would be, not rigged to trip a particular check.
 """
 from __future__ import annotations
@@ -365,3 +379,170 @@ class RewritesLegs(Tampers):
             real(writer, record)
 
         AtomicJsonlWriter.write = write
+
+
+class TampersInLeg(Tampers):
+    """Exact serial decoding; ``tamper()`` runs at the end of the candidate's first timed leg (its
+    second decode: the first is the warm-up). ``mine`` is true while this decoder decodes, so a
+    hook can spare the candidate and burn only the control's time. ``undo()`` is for the tests."""
+
+    burn_s = 0.0005
+    mine = False
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        self.decodes = 0
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        type(self).mine = True
+        try:
+            out = self.inner.decode(prompt_ids, max_new_tokens)
+        finally:
+            type(self).mine = False
+        self.decodes += 1
+        if self.decodes == 2:
+            self.tamper()
+        return out
+
+    @classmethod
+    def burn(cls, *args):
+        """A hook's body: busy for ``burn_s`` unless the candidate is decoding."""
+        if not TampersInLeg.mine:
+            end = time.perf_counter() + cls.burn_s
+            while time.perf_counter() < end:
+                pass
+
+
+def _call_hook(frame, event, arg):
+    if event == "call":
+        TampersInLeg.burn()
+    return None
+
+
+class TracesControl(TampersInLeg):
+    name = "traces-control"
+
+    def tamper(self) -> None:
+        sys.settrace(_call_hook)
+
+
+class ProfilesControl(TampersInLeg):
+    name = "profiles-control"
+
+    def tamper(self) -> None:
+        sys.setprofile(_call_hook)
+
+
+class TracesNewThreads(TampersInLeg):
+    name = "traces-new-threads"
+
+    def tamper(self) -> None:
+        import threading
+
+        threading.settrace(_call_hook)
+        threading.setprofile(_call_hook)
+
+
+class SpinningThread(TampersInLeg):
+    """A thread that spins in Python (so it takes the GIL from the main thread every switch
+    interval) while the candidate is not decoding. ``stop`` ends it."""
+
+    name = "spinning-thread"
+    stop = None
+
+    def __init__(self, raw: bool = False):
+        super().__init__()
+        self.raw = raw
+
+    def tamper(self) -> None:
+        import _thread
+        import threading
+
+        stop = type(self).stop = threading.Event()
+
+        started = threading.Event()
+
+        def spin():
+            started.set()
+            while not stop.is_set():
+                if TampersInLeg.mine:
+                    time.sleep(0.0005)  # the GIL back to the candidate
+                else:
+                    TampersInLeg.burn()
+
+        if self.raw:  # a raw thread has no frame (so no place in sys._current_frames) before it first runs
+            _thread.start_new_thread(spin, ())
+            started.wait()
+        else:
+            threading.Thread(target=spin, name="prefetch", daemon=True).start()
+
+
+class TunesGc(TampersInLeg):
+    name = "tunes-gc"
+
+    def __init__(self, how: str = "threshold"):
+        super().__init__()
+        self.how = how
+
+    def tamper(self) -> None:
+        import gc
+
+        if self.how == "threshold":
+            gc.set_threshold(50, 1, 1)
+        elif self.how == "callback":
+            gc.callbacks.append(TampersInLeg.burn)
+        else:
+            gc.disable()
+
+
+class TorchThreads(TampersInLeg):
+    name = "torch-threads"
+
+    def tamper(self) -> None:
+        torch.set_num_threads(torch.get_num_threads() + 3)
+
+
+class AlarmsControl(TampersInLeg):
+    name = "alarms-control"
+
+    def tamper(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGALRM, TampersInLeg.burn)
+        signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+
+
+class EditsLegRecords(TampersInLeg):
+    """After each of its timed legs, finds the harness's list of this prompt's records in a frame
+    above and doubles every control leg's time (``how="edit"``, in place) or swaps each control
+    leg for a forged copy (``how="swap"``)."""
+
+    name = "edits-leg-records"
+    forged: list = []  # (prompt id, leg, the wall_s it left in the harness's list)
+
+    def __init__(self, how: str = "edit"):
+        super().__init__()
+        self.how = how
+        self.edited: set = set()
+
+    def tamper(self) -> None:
+        pass
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        out = super().decode(prompt_ids, max_new_tokens)
+        frame = sys._getframe(1)
+        while frame is not None:
+            records = frame.f_locals.get("records")
+            if isinstance(records, list) and any(isinstance(r, dict) and r.get("type") == "leg" for r in records):
+                for i, rec in enumerate(records):
+                    key = (rec.get("prompt_id"), rec.get("leg"))
+                    if rec.get("type") == "leg" and rec["role"] == "control" and key not in self.edited:
+                        self.edited.add(key)
+                        forged = rec if self.how == "edit" else dict(rec)
+                        forged["wall_s"] *= 2
+                        forged["t_end"] = forged["t_start"] + forged["wall_s"]
+                        type(self).forged.append((rec["prompt_id"], rec["leg"], forged["wall_s"]))
+                        records[i] = forged
+                break
+            frame = frame.f_back
+        return out

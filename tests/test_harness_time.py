@@ -20,7 +20,10 @@ from click.testing import CliRunner
 from core import determinism
 from core.schema import LEG_SPREAD_LIMIT, SCHEMA, abba_roles, prompt_ratio, read_stream
 from fixtures.prompts import DEV_FILE, DEV_PROMPTS
-from harness import cli
+from harness.commands.time import time_cmd
+from harness.load import busy_warning
+from harness.options import TimeOptions
+from harness.table import render_table
 from harness.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -258,13 +261,13 @@ def test_help_and_list():
 def test_time_options_name_every_option_once():
     """``TimeOptions`` is the one list of ``harness time``'s options: every option is a field, and
     each default is the field's."""
-    fields = {f.name: f for f in dataclasses.fields(cli.TimeOptions)}
-    params = {p.name: p for p in cli.time_cmd.params}
+    fields = {f.name: f for f in dataclasses.fields(TimeOptions)}
+    params = {p.name: p for p in time_cmd.params if p.expose_value}  # --version passes no value
     assert set(params) == set(fields)
-    parsed = cli.time_cmd.make_context("time", []).params  # the command line's defaults, as time_cmd gets them
-    assert cli.TimeOptions(**parsed) == cli.TimeOptions()
+    parsed = time_cmd.make_context("time", []).params  # the command line's defaults, as time_cmd gets them
+    assert TimeOptions(**parsed) == TimeOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cli.TimeOptions().legs = 3
+        TimeOptions().legs = 3
 
 
 def test_out_naming_a_file_is_refused_before_the_model_loads(tmp_path):
@@ -339,19 +342,19 @@ def test_unstable_legs_warning():
              leg("control", 1, 1.0)]
     summary = {"control_tokens_per_s": 2.0, "ratio": 2.0, "same_tokens_as_control": True}
     rows = [(Prompt(f"p{i}", [1, 2, 3]), legs, summary) for i, legs in enumerate([steady, noisy, steady])]
-    table = cli.render_table(rows, 2.0, "cand")
+    table = render_table(rows, 2.0, "cand")
     assert table.splitlines()[-1] == (f"WARNING: 1 of 3 prompts have unstable legs (spread > {LEG_SPREAD_LIMIT:.0%}); "
                                       "rerun with more --legs")
-    assert "WARNING" not in cli.render_table([rows[0]], 2.0, "cand")
+    assert "WARNING" not in render_table([rows[0]], 2.0, "cand")
     # one leg per side has no spread to measure
-    assert "WARNING" not in cli.render_table([(rows[0][0], [leg("control", 0, 1.0), leg("candidate", 0, 9.0)],
+    assert "WARNING" not in render_table([(rows[0][0], [leg("control", 0, 1.0), leg("candidate", 0, 9.0)],
                                                summary)], 2.0, "cand")
 
 
 def test_busy_machine_warning():
-    warning = cli.busy_warning((3.25, 2))
+    warning = busy_warning((3.25, 2))
     assert warning.startswith("WARNING: this machine is busy") and "3.25" in warning and "2 CPUs" in warning
-    assert cli.busy_warning((0.5, 2)) is None and cli.busy_warning(None) is None
+    assert busy_warning((0.5, 2)) is None and busy_warning(None) is None
 
 
 def test_sigterm_mid_run_leaves_nothing(tmp_path):

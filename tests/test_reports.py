@@ -182,7 +182,7 @@ def synthetic_leg(rng: random.Random, role: str, n: int, tokens: list[int], max_
         emitted += acc + 1
     rounds = len(depth_trace)
     wall = rounds * 0.024 * rng.uniform(0.97, 1.05)
-    split = {"draft": wall * 0.31, "verify": wall * 0.52, "rollback": wall * 0.09}
+    split = {"step": wall * 0.07, "draft": wall * 0.27, "verify": wall * 0.49, "rollback": wall * 0.09}
     split["other"] = wall - sum(split.values())
     accepted = sum(k * v for k, v in hist.items())
     return {"wall_s": wall, "peak_mem_bytes": int(18.9 * 2 ** 30) + rng.randrange(2 ** 24),
@@ -315,8 +315,16 @@ def test_tiny_summary_numbers_equal_stream(tiny_run):
     assert rows["Score"] == "— (not audited)" and rows["Exact"] == "unknown (not audited)"
     by_id = {row[0].strip("`"): row for row in table_rows(report, "Speedup per prompt")}
     assert set(by_id) == set(ratios)
+    head = table_head(report, "Speedup per prompt")
+    assert head[3:7] == ["serial median (s)", f"{header['candidate']['name']} first leg (s)",
+                         f"{header['candidate']['name']} median (s)", f"ratio {header['candidate']['name']} (raw legs)"]
     for pid, row in by_id.items():
-        assert first_number(row[5]) == pytest.approx(ratios[pid], abs=5e-4)
+        first = next(r["wall_s"] for r in records if r["type"] == "leg" and r["prompt_id"] == pid
+                     and r["role"] == "candidate" and r["leg"] == 0)
+        assert float(row[4]) == pytest.approx(first, abs=5e-5)
+        assert first_number(row[6]) == pytest.approx(ratios[pid], abs=5e-4)
+        # the numbers shown give the ratio shown: control median / candidate's first leg
+        assert float(row[3]) / float(row[4]) == pytest.approx(ratios[pid], rel=2e-3, abs=5e-4)
         assert row[-1] == "not audited"
 
 
@@ -446,14 +454,14 @@ def test_harness_report_flag(tiny_harness_run):
 
 
 def test_harness_report_failure_keeps_the_stream(tiny_run, monkeypatch):
-    from harness import cli as harness_cli
+    from harness.commands.time import render_report
 
     def broken(summary, path):
         raise RuntimeError("no space left")
 
     monkeypatch.setitem(FIGURES, "speedup", broken)
     with pytest.raises(SystemExit) as exc:
-        harness_cli.render_report(tiny_run)
+        render_report(tiny_run)
     assert exc.value.code == 1
     assert sorted(p.name for p in tiny_run.iterdir()) == ["stream.jsonl"]
 
@@ -565,6 +573,12 @@ def test_synthetic_run_draws_every_figure(tmp_path):
     p0 = summary["prompts"][0]
     draft = statistics.median(r["stats"]["time_split"]["draft"] for r in legs if r["prompt_id"] == LONG_IDS[0])
     assert p0["time_split"]["candidate"]["draft"] == pytest.approx(draft)
+    # plain steps are a phase of their own, never counted as verify
+    step = statistics.median(r["stats"]["time_split"]["step"] for r in legs if r["prompt_id"] == LONG_IDS[0])
+    assert list(p0["time_split"]["candidate"]) == ["step", "draft", "verify", "rollback", "other"]
+    assert p0["time_split"]["candidate"]["step"] == pytest.approx(step)
+    assert table_head(report, "Time split of a decode")[2:4] == ["step", "draft"]
+    assert "step: plain steps" in report
     assert "### Findings" in report and "warm-up too short?" in report and "warm-leg flag" in report
 
 
@@ -714,3 +728,57 @@ def test_help_explains():
 def test_figures_use_agg_without_pyplot():
     fig = figures_mod.new_figure(2.0)
     assert type(fig.canvas).__name__ == "FigureCanvasAgg"
+
+
+def table_head(report: str, section: str) -> list[str]:
+    """The header cells of the first table in ``section``."""
+    body = report.split(f"## {section}", 1)[1]
+    line = next(ln for ln in body.splitlines() if ln.startswith("|"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_time_split_figure_names_steps_apart_from_verify(monkeypatch):
+    """The figure's legend says which phase is plain steps and which the verify windows."""
+    saved = {}
+    monkeypatch.setattr(figures_mod, "save", lambda fig, path: saved.setdefault("fig", fig) is fig)
+    split = {"step": 0.004, "draft": 0.002, "verify": 0.006, "other": 0.001}
+    summary = {"prompts": [{"id": "p", "time_split": {"candidate": split}}], "roles": ["candidate"],
+               "labels": {"candidate": "spec"}}
+    monkeypatch.setattr(figures_mod, "role_label", lambda s, r: "spec")
+    assert figures_mod.plot_time_split(summary, Path("unused.png"))
+    legend = saved["fig"].legends[0] if saved["fig"].legends else saved["fig"].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["step (plain steps)", "draft", "verify (windows)", "other"]
+
+
+def _tokens_doc(gens: list, tie_margin: dict) -> dict:
+    return {"tie_margin": tie_margin, "counts": {"generations": len(gens)},
+            "generations": [{"first_divergence": d} for d in gens]}
+
+
+NEAR = {"class": "near-tie", "gap": 0.03, "margin": 0.03, "tolerance": 0.0625}
+REAL = {"class": "real", "gap": 0.5, "margin": 0.2, "tolerance": 0.125}
+STOP = {"class": "stop", "gap": None, "margin": None, "tolerance": None, "stop": "ran past an EOS"}
+ULPS = {"mode": "ulps", "ulps": 4, "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("tie_margin, lines", [(ULPS, [0.0625, 0.125]), ({"mode": "fixed", "value": 0.05}, [0.05])])
+def test_margins_figure_draws_the_tolerance_and_the_stops(tie_margin, lines):
+    from reports.tokens import margins_figure
+
+    fig = margins_figure(_tokens_doc([NEAR, REAL, STOP, None], tie_margin))
+    ax = fig.axes[0]
+    assert sorted(line.get_xdata()[0] for line in ax.lines) == lines  # the tolerance the classes were decided by
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[0:2] == ["near-tie (1)", "real (1)"] and labels[-1] == "stop (1): wrong stop, no gap"
+    assert any(label.startswith("tie tolerance (") for label in labels)
+    assert "stop" in [t.get_text() for t in ax.get_xticklabels()]
+    assert "3 of 4 generations" in ax.get_title()
+
+
+def test_margins_figure_for_stops_alone_and_for_nothing():
+    from reports.tokens import margins_figure
+
+    fig = margins_figure(_tokens_doc([STOP, STOP], ULPS))
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["near-tie (0)", "real (0)",
+                                                                           "stop (2): wrong stop, no gap"]
+    assert margins_figure(_tokens_doc([None], ULPS)) is None

@@ -65,6 +65,12 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     looks = 2 if doc["second_look"] else 1
     assert len(doc["prompts"]) == looks * prompts and all(e["exact"] for e in doc["prompts"])
     assert all(set(e["waited"]) == set(e["others_load"]) == {"control", "candidate"} for e in doc["prompts"])
+    # the control's code checked unchanged; the candidate sandboxed where this machine allows
+    assert doc["control_code"]["checked"] > 0 and doc["control_code"]["modified"] == []
+    from audit.sandbox import plan
+    assert doc["sandbox"]["tool"] == plan("/tmp").tool
+    assert bool(findings(doc, "candidate-not-sandboxed")) == (doc["sandbox"]["tool"] is None)
+    assert "candidate sandbox: " in result.stdout
     held = {tuple(r["token_ids"]) for r in map(json.loads, stream.read_text().splitlines())
             if r["type"] == "prompt"}
     by_id = {json.loads(line)["id"]: json.loads(line) for line in stream.read_text().splitlines()
@@ -176,7 +182,8 @@ def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path
     log = tmp_path / "spun.log"
     stream = run_harness(tmp_path / "load", "retime_decoders:LoadsTheControl", limit=2, n=N, legs=LEGS,
                          extra=("--decoder-arg", f"log={log}", "--decoder-arg", f"orphan={orphan}"))
-    result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2")
+    # outside the sandbox: inside, its spinners could not write their pids, and would die with it
+    result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2", "--no-sandbox")
     assert result.exit_code in (0, 1), result.output  # its speed is serial's: the verdict is noise's
     pids = written_pids(str(log))
     assert len(pids) == (os.cpu_count() or 1)

@@ -7,7 +7,11 @@ test restores what they touch before the audit replays (and before the next test
 """
 from __future__ import annotations
 
+import gc
+import signal
 import statistics
+import sys
+import threading
 import time
 
 import pytest
@@ -31,8 +35,24 @@ def restore(monkeypatch):
     monkeypatch.setattr(time, "perf_counter", time.perf_counter)
     monkeypatch.setattr(AtomicJsonlWriter, "write", AtomicJsonlWriter.write)
     dtype = torch.get_default_dtype()
+    hooks = sys.gettrace(), sys.getprofile(), threading.gettrace(), threading.getprofile()
+    collector = gc.isenabled(), gc.get_threshold(), list(gc.callbacks)
+    torch_threads = torch.get_num_threads()
+    alarm = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
 
     def undo():
+        signal.setitimer(signal.ITIMER_REAL, *alarm[1])
+        signal.signal(signal.SIGALRM, alarm[0])
+        sys.settrace(hooks[0])
+        sys.setprofile(hooks[1])
+        threading.settrace(hooks[2])
+        threading.setprofile(hooks[3])
+        (gc.enable if collector[0] else gc.disable)()
+        gc.set_threshold(*collector[1])
+        gc.callbacks[:] = collector[2]
+        torch.set_num_threads(torch_threads)
+        if bad_decoders.SpinningThread.stop is not None:
+            bad_decoders.SpinningThread.stop.set()
         monkeypatch.undo()
         torch.set_default_dtype(dtype)
         determinism.pin()
@@ -191,6 +211,167 @@ def test_tampering_during_a_leg_is_a_violation_after_that_leg(tmp_path, restore,
     assert {v["at"] for v in violations} == {"after leg candidate#0 of prompt prose-river"}, violations
     leg0 = next(r for r in records if r["type"] == "leg" and r["role"] == "candidate" and r["leg"] == 0)
     assert records.index(violations[0]) == records.index(leg0) + 1
+
+
+@pytest.mark.parametrize("decoder, args, problem", [
+    ("TracesControl", (), "sys.settrace hook changed: the run began with None, now _call_hook"),
+    ("ProfilesControl", (), "sys.setprofile hook changed: the run began with None, now _call_hook"),
+    ("TracesNewThreads", (), "threading.settrace hook changed: the run began with None, now _call_hook"),
+    ("SpinningThread", (), "thread 'prefetch' (daemon) is alive, started since the run began"),
+    ("SpinningThread", ("raw=true",), "(not a threading.Thread) is alive, started since the run began"),
+    ("TunesGc", (), "gc thresholds changed: the run began with"),
+    ("TunesGc", ("how=callback",), "gc callbacks changed: the run began with"),
+    ("TunesGc", ("how=off",), "gc enabled changed: the run began with True, now False"),
+    ("TorchThreads", (), "torch intra-op threads changed: the run began with"),
+    ("AlarmsControl", (), "interval timers changed: the run began with"),
+    ("EditsLegRecords", (), "the harness's records were edited after it made them: record 0 (leg control#0 of "
+                            "prompt prose-river) changed: t_end, wall_s"),
+    ("EditsLegRecords", ("how=swap",), "the harness's records were edited after it made them: record 0 (leg "
+                                       "control#0 of prompt prose-river) changed: t_end, wall_s"),
+])
+def test_tampering_left_behind_by_a_leg_is_a_violation(tmp_path, restore, decoder, args, problem):
+    """A change the candidate makes in its first timed leg and leaves for the control's legs after
+    it is a violation right after that leg, before the control decodes under it."""
+    extra = tuple(x for a in args for x in ("--decoder-arg", a))
+    stream = run_harness(tmp_path / "run", f"bad_decoders:{decoder}", limit=1, n=6, legs=2, extra=extra)
+    restore()
+    records = read_records(stream)
+    violations = violations_of(records)
+    assert violations and violations[0]["at"] == "after leg candidate#0 of prompt prose-river", violations
+    first_leg = next(r for r in records if r["type"] == "leg" and r["role"] == "candidate")
+    assert records.index(violations[0]) == records.index(first_leg) + 1
+    assert any(problem in v["problem"] for v in violations), violations
+    result, doc = run_audit(stream)
+    assert result.exit_code == 1, result.output
+    found = findings(doc, "in-process-integrity", severity="fail")
+    assert any(problem in f["message"] for f in found), found
+    if decoder == "AlarmsControl":
+        assert any("signal handlers changed" in v["problem"] for v in violations), violations
+
+
+@pytest.mark.parametrize("how", ["edit", "swap"])
+def test_edited_records_reach_the_stream_as_made(tmp_path, restore, monkeypatch, how):
+    """The stream holds what the harness measured, not the doubled control legs a frame walk left
+    in its list: the harness's copy is written, and the edit is a violation."""
+    monkeypatch.setattr(bad_decoders.EditsLegRecords, "forged", [])
+    stream = run_harness(tmp_path / "run", "bad_decoders:EditsLegRecords", limit=2, n=6, legs=2,
+                         extra=("--decoder-arg", f"how={how}"))
+    forged = bad_decoders.EditsLegRecords.forged
+    restore()
+    records = read_records(stream)
+    # control#0 of each prompt, and the first prompt's control#1 (found in the caller's list by
+    # the second prompt's warm-up, after it was written)
+    assert [(p, leg) for p, leg, _ in forged] == [("prose-river", 0), ("prose-river", 1), ("prose-letter", 0)]
+    for prompt_id, leg, wall_s in forged:
+        rec = next(r for r in records if r["type"] == "leg" and r["prompt_id"] == prompt_id and r["role"] == "control"
+                   and r["leg"] == leg)
+        assert rec["wall_s"] * 2 == wall_s  # doubling is exact in binary floating point
+    assert {v["at"] for v in violations_of(records)} == {f"after leg candidate#0 of prompt {p['id']}"
+                                                         for p in prompts_of(records)}
+
+
+@pytest.mark.parametrize("decoder", ["fast-serial", "spec"])
+def test_honest_runs_have_no_violation(tmp_path, decoder):
+    stream = run_harness(tmp_path / "run", decoder, limit=2, n=8, legs=2)
+    records = read_records(stream)
+    assert violations_of(records) == []
+    _, doc = run_audit(stream)
+    assert doc["exact"] and findings(doc, "in-process-integrity") == []
+
+
+def test_watch_reads_the_runtime(monkeypatch):
+    """The pure part of the new readings: each change once, restored state silent again."""
+    clock = timing.Clock.start()
+    watch = timing.Watch(determinism.current(), clock)
+    assert watch.check("start", clock) == []
+    threshold = gc.get_threshold()
+    hook = lambda *a: None  # noqa: E731
+    monkeypatch.setattr(sys, "gettrace", lambda: None)  # a blinded reader changes nothing: the Watch holds its own
+    sys.setprofile(hook)
+    gc.set_threshold(threshold[0] + 1, *threshold[1:])
+    try:
+        problems = [v["problem"] for v in watch.check("then", clock)]
+    finally:
+        sys.setprofile(None)
+        gc.set_threshold(*threshold)
+    assert problems == [
+        "sys.setprofile hook changed: the run began with None, now test_watch_reads_the_runtime.<locals>.<lambda>",
+        f"gc thresholds changed: the run began with {threshold}, now {(threshold[0] + 1, *threshold[1:])}"]
+    assert watch.check("restored", clock) == []
+
+
+def test_watch_reads_monitoring_tools(monkeypatch):
+    """sys.monitoring (3.12+): a tool id taken since the run began is a violation. On 3.11 the
+    reading runs against a stand-in with the same two calls."""
+    if not hasattr(sys, "monitoring"):
+        tools = {}
+        monkeypatch.setattr(sys, "monitoring", type("Monitoring", (), {
+            "get_tool": staticmethod(lambda i: tools.get(i)), "get_events": staticmethod(lambda i: 0)}), raising=False)
+        take, free = (lambda i, name: tools.__setitem__(i, name)), tools.pop
+    else:
+        take, free = sys.monitoring.use_tool_id, sys.monitoring.free_tool_id
+    clock = timing.Clock.start()
+    watch = timing.Watch(determinism.current(), clock)
+    free_id = next(i for i in range(6) if sys.monitoring.get_tool(i) is None)
+    take(free_id, "sneaky")
+    try:
+        problems = [v["problem"] for v in watch.check("then", clock)]
+    finally:
+        free(free_id)
+    assert len(problems) == 1 and problems[0].startswith("sys.monitoring tools changed") and "sneaky" in problems[0]
+
+
+def test_watch_compares_records_with_its_copies():
+    clock = timing.Clock.start()
+    watch = timing.Watch(determinism.current(), clock)
+    watch.begin_records()
+    records = []
+    for i in range(2):
+        rec = {"type": "leg", "prompt_id": "p", "role": "control", "leg": i, "wall_s": 0.5, "tokens": [1, 2],
+               "stats": {"x": float("nan")}}
+        records.append(rec)
+        watch.note_record(rec)
+        records += watch.check(f"after {i}", clock, records)
+    assert [r["type"] for r in records] == ["leg", "leg"]  # an unchanged NaN is no change
+    records[1]["tokens"].append(3)
+    (v,) = watch.check("edited", clock, records)
+    assert v["problem"] == ("the harness's records were edited after it made them: record 1 (leg control#1 of prompt p) "
+                            "changed: tokens")
+    records.append(v)
+    records[1]["tokens"].pop()
+    assert watch.check("undone", clock, records) == []
+    del records[-1]  # the violation record itself
+    (v,) = watch.check("dropped", clock, records)
+    assert v["problem"] == ("the harness's records were edited after it made them: 2 records where the harness made 3, "
+                            "the last a violation record")
+
+
+def test_watch_overhead_per_leg_is_small():
+    """One leg's check on tiny's scale (a prompt's records so far, every reading): far under a
+    millisecond. Timed with the process's CPU clock, min over repeats, so a loaded machine reads
+    the same."""
+    import harness.cli  # noqa: F401  (the harness's modules loaded, as in a run)
+
+    clock = timing.Clock.start()
+    watch = timing.Watch(determinism.current(), clock)
+    watch.watch_control(SerialDecoder())
+    watch.begin_records()
+    records = []
+    for i in range(8):
+        rec = {"type": "leg", "role": "control", "leg": i, "wall_s": 0.1, "tokens": list(range(64)),
+               "stats": {"forwards": 64}}
+        records.append(rec)
+        watch.note_record(rec)
+    best = min(cpu_seconds(lambda: watch.check("leg", clock, records), 20) for _ in range(5))
+    assert watch.check("leg", clock, records) == []
+    assert best < 1e-3, best
+
+
+def cpu_seconds(fn, n: int) -> float:
+    t0 = time.process_time()
+    for _ in range(n):
+        fn()
+    return (time.process_time() - t0) / n
 
 
 def test_watch_sees_each_watched_object(monkeypatch):

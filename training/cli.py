@@ -1,250 +1,144 @@
-"""Trains a small Qwen3.5 with a real MTP head from scratch on the Python standard library.
+"""``python -m training``: trains a small Qwen3.5 with a real MTP head from scratch on the Python
+standard library (the pipeline is training/pipeline.py).
 
     python -m training --out DIR [--minutes 5.5] [--steps N] [--device cuda] [--seed 0] [--smoke]
     python -m training --out DIR --init-from CKPT --unloop-steps N   # fine-tune only
     python -m training --out CKPT --measure-only                      # re-measure quality
 
-``run`` is the pipeline, one phase after another, all seeded by ``--seed`` under ``core.determinism``'s
-settings: corpus and tokenizer (training/data.py), model (training/model.py), training
-(training/train.py) and the unloop fine-tune (training/unloop.py) with deterministic algorithms
-warn-only, export to ``--out`` (training/export.py; written before the quality phase, so that an
-interrupted run keeps it), then quality measured on the exported bf16 checkpoint under the strictly
-pinned settings (training/quality.py) into ``quality.json`` (training/report.py). ``--out`` is replaced.
-``--smoke`` is a CPU-sized run of a few steps on a slice of the corpus (tests/test_train.py).
-Bad input is one ``error:`` line on stderr and exit status 2.
+Exit status: 0 done; 2 bad input (one ``error:`` line on stderr, before anything is written);
+130 interrupted (Ctrl-C; one line saying what is at ``--out``).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import time
-import warnings
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-from tokenizers import Tokenizer
+import click
 
-from core import determinism
+from core.clirun import run_command
 from core.errors import UserError, fail
-from core.models import device_name
-from training.data import (DOC_SEPARATOR, encode_splits, fixed_windows, load_corpus, load_tokenizer,
-                           train_tokenizer)
-from training.export import write_checkpoint
-from training.log import log
-from training.model import (PRESETS, Preset, build_models, count_params, load_for_training, require_checkpoint,
-                            text_config)
-from training.quality import measure_quality, remeasure
-from training.report import QUALITY_FILE, Fitted, log_summary, run_report
-from training.train import TrainResult, plan_steps, snapshot, train
-from training.unloop import unloop
+from core.version import version_option
+from training.model import PRESETS, require_checkpoint
+from training.outdir import check_out
+from training.pipeline import run
+from training.quality import remeasure
 
-IM_END = "<|im_end|>"
-
-
-def run(out: Path, preset: Preset, *, device: str, seed: int, minutes: float | None, steps: int | None,
-        spec: bool = True, init_from: Path | None = None) -> dict:
-    """Train ``preset`` (or fine-tune the checkpoint ``init_from``), export it to ``out`` (replaced),
-    measure it and write ``out/quality.json``; returns that record."""
-    transformers.logging.set_verbosity_error()
-    pinned = determinism.pin()
-    t_start = time.perf_counter()
-    dev = torch.device(device)
-    steps = steps or preset.steps
-
-    corpus = load_corpus(preset)
-    manifest = corpus.manifest()
-    log_corpus(corpus)
-    base = init_from_record(init_from, manifest)
-    t0 = time.perf_counter()
-    tok = load_tokenizer(init_from) if init_from is not None else train_tokenizer(corpus.texts("train"), preset.vocab)
-    streams = encode_splits(tok, corpus)
-    log_tokens(tok, streams, corpus, "loaded" if init_from else "trained", time.perf_counter() - t0)
-    cfg, backbone, head = load_for_training(init_from) if init_from is not None else new_models(preset, tok, seed)
-    params = (count_params(backbone), count_params(head))
-    log_plan(cfg, params, preset, steps, streams["train"].numel(), dev, minutes, init_from)
-
-    fitted = fit(backbone, head, streams, preset, steps=steps, device=dev, seed=seed, minutes=minutes,
-                 init_from=init_from)
-    determinism.pin()
-    log_fit(fitted.result, dev)
-
-    # exported before the quality phase, so that a run stopped there keeps its checkpoint
-    ckpt_bytes = write_checkpoint(out, cfg, fitted.result.best_state, tok, manifest)
-    log(f"exported {ckpt_bytes / 1e6:.2f} MB of safetensors to {out}; measuring quality on it (bf16)")
-    del backbone, head
-    fitted.result.best_state = ()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-    t0 = time.perf_counter()
-    quality = measure_quality(out, corpus, tok, preset, device, streams, spec)
-    seconds = {"total": round(time.perf_counter() - t_start, 1), "quality": round(time.perf_counter() - t0, 1)}
-    report = run_report(preset=preset, seed=seed, minutes=minutes, init_from=init_from, base=base, device=dev,
-                        pinned=pinned, corpus=corpus, manifest=manifest, tok=tok, streams=streams, cfg=cfg,
-                        params=params, ckpt_bytes=ckpt_bytes, fitted=fitted, quality=quality, seconds=seconds)
-    (out / QUALITY_FILE).write_text(json.dumps(report, indent=1) + "\n")
-    log_summary(report, out)
-    return report
-
-
-# --------------------------------------------------------------------------- phases of run
-
-
-def init_from_record(init_from: Path | None, manifest: dict) -> dict:
-    """The --init-from checkpoint's quality.json ({} for none, or when it has none); warns when it
-    was trained on another corpus than this run's."""
-    if init_from is None or not (init_from / QUALITY_FILE).is_file():
-        return {}
-    base = json.loads((init_from / QUALITY_FILE).read_text())
-    if base.get("corpus", {}).get("files_sha256") not in (None, manifest["files_sha256"]):
-        log(f"warning: {init_from} was trained on another corpus (Python {base['corpus'].get('python_version')})")
-    return base
-
-
-def new_models(preset: Preset, tok: Tokenizer, seed: int):
-    """(config, backbone, head) of a new model; EOS ids <|im_end|> and <|endoftext|> as in Qwen3.5."""
-    eot = tok.token_to_id(DOC_SEPARATOR)
-    cfg = text_config(preset, [tok.token_to_id(IM_END), eot], eot)
-    return (cfg, *build_models(cfg, seed))
-
-
-def fit(backbone, head, streams: dict, preset: Preset, *, steps: int | None, device: torch.device, seed: int,
-        minutes: float | None, init_from: Path | None) -> Fitted:
-    """Training (none with ``init_from``), then the unloop fine-tune when the preset asks for it.
-
-    Both run with deterministic algorithms on but warn-only: an op without a deterministic kernel
-    (if any, e.g. an attention backward) warns instead of killing the run; the warnings are
-    recorded. The caller pins the strict configuration again before quality is measured."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    dev_windows = fixed_windows(streams["dev"], preset.seq_len, preset.eval_windows)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if init_from is None:
-            result = train(backbone, head, streams["train"], dev_windows, preset, steps, device, seed, minutes)
-        else:
-            result = TrainResult(plan={"rule": f"none: --init-from {init_from}", "steps": 0}, best_step=0,
-                                 best_dev={}, steps_done=0, stopped_by="init-from", tokens_seen=0, train_seconds=0.0,
-                                 best_state=(snapshot(backbone), snapshot(head)))
-        unloop_record = None
-        if preset.unloop_steps > 0:
-            backbone.load_state_dict(result.best_state[0])
-            head.load_state_dict(result.best_state[1])
-            unloop_record = unloop(backbone, head, streams["train"], dev_windows, preset, device, seed)
-            result.best_state = (snapshot(backbone), snapshot(head))
-    nondeterministic = sorted({str(w.message).split("\n")[0][:300] for w in caught
-                               if "determinis" in str(w.message).lower()})
-    for msg in nondeterministic:
-        log(f"determinism warning during training: {msg}")
-    return Fitted(result=result, unloop=unloop_record, warnings=nondeterministic)
-
-
-def log_corpus(corpus) -> None:
-    log(f"corpus: Python {corpus.python_version} stdlib at {corpus.root}: "
-        + ", ".join(f"{s} {v['files']} files {v['bytes'] / 1e6:.2f} MB" for s, v in corpus.totals().items()))
-
-
-def log_tokens(tok: Tokenizer, streams: dict, corpus, how: str, seconds: float) -> None:
-    log(f"tokenizer: {tok.get_vocab_size()} ids, {how} in {seconds:.1f}s; tokens "
-        + ", ".join(f"{s} {v.numel():,}" for s, v in streams.items())
-        + f"; {corpus.totals()['train']['bytes'] / streams['train'].numel():.2f} bytes/token on train")
-
-
-def log_plan(cfg, params: tuple[int, int], preset: Preset, steps: int | None, train_tokens: int, dev: torch.device,
-             minutes: float | None, init_from: Path | None) -> None:
-    n_bb, n_head = params
-    log(f"model: {cfg.num_hidden_layers} layers {cfg.layer_types}, hidden {cfg.hidden_size}; backbone "
-        f"{n_bb / 1e6:.2f}M + MTP head {n_head / 1e6:.2f}M params = {2 * (n_bb + n_head) / 1e6:.2f} MB in bf16")
-    if init_from is not None:
-        log(f"training: none, starting from {init_from}")
-        return
-    planned = steps or plan_steps(preset, train_tokens)
-    tokens = planned * preset.batch * preset.seq_len
-    log(f"training: {'' if steps else 'up to '}{planned} steps x {preset.batch} x {preset.seq_len} tokens "
-        f"({tokens / 1e6:.1f}M tokens, {tokens / train_tokens:.1f} epochs) on {device_name(dev)}"
-        + (f", capped at {minutes} min" if minutes else ""))
-
-
-def log_fit(result: TrainResult, dev: torch.device) -> None:
-    log(f"trained {result.steps_done} steps ({result.stopped_by}) in {result.train_seconds:.0f}s, "
-        f"{result.tokens_seen / max(result.train_seconds, 1e-9) / 1e3:.1f}k tok/s; best dev at step {result.best_step}"
-        + (f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB" if dev.type == "cuda" else ""))
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True,
-                        help="checkpoint directory to write (replaced); with --measure-only, the checkpoint to measure")
-    parser.add_argument("--measure-only", action="store_true",
-                        help="train nothing: measure --out's checkpoint as a run would (quality.remeasured.json)")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="cap on training time, before the unloop fine-tune (default: 5.5, or none with --smoke)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps (default: the preset's; for 'small', planned: up to "
-                             "max_epochs, lowered to fit --minutes)")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="CPU-sized run: small config, corpus slice, few steps")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: the preset's)")
-    parser.add_argument("--prompts", type=int, default=None,
-                        help="held-out prompts for quality (default: the preset's)")
-    parser.add_argument("--no-spec-check", action="store_true", help="skip decoding the prompts with `spec` too")
-    parser.add_argument("--dropout", type=float, default=None, help="residual dropout (default: the preset's)")
-    parser.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default: the preset's)")
-    parser.add_argument("--max-epochs", type=float, default=None,
-                        help="passes over the train split that planned steps never exceed (default: the preset's)")
-    parser.add_argument("--unloop-steps", type=int, default=None,
-                        help="updates of the sequence-level unlikelihood fine-tune against greedy loops, after "
-                             "training (default: the preset's)")
-    parser.add_argument("--unloop-lr", type=float, default=None, help="its learning rate (default: the preset's)")
-    parser.add_argument("--init-from", type=Path, default=None,
-                        help="start from this exported checkpoint (its tokenizer too) instead of training, "
-                             "and run only the unloop fine-tune on it (--unloop-steps; 'small' preset: 300)")
-    return parser
-
-
+PROG = "python -m training"
+EXIT_INTERRUPTED = 130
 OVERRIDES = ("batch", "prompts", "dropout", "weight_decay", "max_epochs", "unloop_steps", "unloop_lr")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """The command line; returns the run's (or the re-measure's) record. Bad input: one ``error:``
-    line on stderr and SystemExit(2), before anything is written."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in ("dropout", "weight_decay", "max_epochs", "unloop_steps", "unloop_lr"):
-        v = getattr(args, name)
-        if v is not None and (v < 0 or (name == "dropout" and v >= 1) or (name in ("max_epochs", "unloop_lr")
-                                                                          and v == 0)):
-            parser.error(f"--{name.replace('_', '-')} {v} is out of range")
-    if args.init_from is not None and args.measure_only:
-        parser.error("--init-from trains; --measure-only does not")
-    if args.init_from is not None and args.init_from.resolve() == args.out.resolve():
-        parser.error("--init-from and --out must differ (--out is replaced)")
-    determinism.pin()  # before anything touches CUDA
-    preset = PRESETS["smoke" if args.smoke else "small"]
-    preset = dataclasses.replace(preset, **{k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None})
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    minutes = args.minutes if args.minutes is not None else (None if args.smoke else 5.5)
+@dataclass(frozen=True)
+class Request:
+    """One invocation: what to do and where, and the preset fields the command line overrides."""
+
+    out: Path
+    measure_only: bool = False
+    smoke: bool = False
+    minutes: float | None = None
+    steps: int | None = None
+    device: str | None = None
+    seed: int = 0
+    spec: bool = True
+    init_from: Path | None = None
+    force: bool = False
+    overrides: tuple = ()  # (Preset field, value) pairs
+
+
+def _preset(field: str) -> str:
+    """An override's default, as --help shows it: each preset's own value."""
+    return f"the preset's: small {getattr(PRESETS['small'], field)}, smoke {getattr(PRESETS['smoke'], field)}"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@version_option
+@click.option("--out", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="Checkpoint directory to write; with --measure-only, the checkpoint to measure. A new or empty "
+                   "directory, or an earlier run's checkpoint (replaced); anything else needs --force.")
+@click.option("--force", is_flag=True, show_default=True,
+              help="Write the checkpoint into an --out that holds other files: those are kept, and only files of "
+                   "the checkpoint's own names are replaced.")
+@click.option("--measure-only", is_flag=True, show_default=True,
+              help="Train nothing: measure --out's checkpoint as a run would (quality.remeasured.json).")
+@click.option("--smoke", is_flag=True, show_default=True,
+              help="CPU-sized run: small config, corpus slice, few steps.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              show_default="5.5, or none with --smoke", help="Cap on training time, before the unloop fine-tune.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              show_default="the preset's: smoke 8; small planned, up to --max-epochs, lowered to fit --minutes",
+              help="Optimizer steps.")
+@click.option("--device", default=None, metavar="DEV", show_default="cuda if available, else cpu",
+              help="cpu, cuda or cuda:N; checked before anything loads.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every phase.")
+@click.option("--batch", type=click.IntRange(min=1), default=None, show_default=_preset("batch"),
+              help="Rows per step.")
+@click.option("--prompts", type=click.IntRange(min=1), default=None, show_default=_preset("prompts"),
+              help="Held-out prompts for quality.")
+@click.option("--no-spec-check", is_flag=True, show_default=True,
+              help="Skip decoding the quality prompts with `spec` too.")
+@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
+              show_default=_preset("dropout"), help="Residual dropout.")
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=None, show_default=_preset("weight_decay"),
+              help="AdamW weight decay.")
+@click.option("--max-epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+              show_default=_preset("max_epochs"), help="Passes over the train split that planned steps never exceed.")
+@click.option("--unloop-steps", type=click.IntRange(min=0), default=None, show_default=_preset("unloop_steps"),
+              help="Updates of the sequence-level unlikelihood fine-tune against greedy loops, after training.")
+@click.option("--unloop-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              show_default=_preset("unloop_lr"), help="The unloop fine-tune's learning rate.")
+@click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="CKPT",
+              show_default="none: train from scratch",
+              help="Start from this exported checkpoint (its tokenizer too) instead of training, and run only the "
+                   "unloop fine-tune on it (--unloop-steps).")
+def command(out, force, measure_only, smoke, minutes, steps, device, seed, no_spec_check, init_from, **overrides):
+    """Train the built-in `small` model (a Qwen3.5 with its MTP head) from scratch on the Python
+    standard library, export it to --out and measure its quality into DIR/quality.json.
+
+    \b
+    Exit status: 0 done; 2 bad input (one `error:` line, nothing written);
+    130 interrupted (Ctrl-C; the line says what is at --out).
+    """
+    if init_from is not None and measure_only:
+        raise click.UsageError("--init-from trains; --measure-only does not")
+    if init_from is not None and init_from.resolve() == out.resolve():
+        raise click.UsageError("--init-from and --out must differ (--out is replaced)")
+    if force and measure_only:
+        raise click.UsageError("--force is for a run's --out; --measure-only writes only quality.remeasured.json")
+    return execute(Request(out=out, measure_only=measure_only, smoke=smoke, minutes=minutes, steps=steps,
+                           device=device, seed=seed, spec=not no_spec_check, init_from=init_from, force=force,
+                           overrides=tuple((k, v) for k, v in overrides.items() if v is not None)))
+
+
+def execute(req: Request) -> dict:
+    """The run (or re-measure) ``req`` asks for; returns its record. Bad input: one ``error:`` line
+    and exit 2, before anything is written; Ctrl-C: one line and exit 130."""
+    from core import determinism
+    from core.devices import check_device
+
     try:
-        check_device(device)
-        if args.measure_only:
-            return remeasure(args.out, preset, device, spec=not args.no_spec_check)
-        if args.init_from is not None:
-            require_checkpoint(args.init_from)  # before minutes of corpus and tokenizer work
-        return run(args.out, preset, device=device, seed=args.seed, minutes=minutes, steps=args.steps,
-                   spec=not args.no_spec_check, init_from=args.init_from)
+        determinism.pin()  # before anything touches CUDA
+        device = check_device(req.device)
+        preset = dataclasses.replace(PRESETS["smoke" if req.smoke else "small"], **dict(req.overrides))
+        minutes = req.minutes if req.minutes is not None else (None if req.smoke else 5.5)
+        if req.measure_only:
+            return remeasure(req.out, preset, device, spec=req.spec)
+        check_out(req.out, req.force)  # before minutes of work
+        if req.init_from is not None:
+            require_checkpoint(req.init_from)  # before minutes of corpus and tokenizer work
+        return run(req.out, preset, device=device, seed=req.seed, minutes=minutes, steps=req.steps, spec=req.spec,
+                   init_from=req.init_from, force=req.force)
     except UserError as exc:
         fail(exc)
+    except KeyboardInterrupt as exc:  # pipeline.Interrupted says what was kept
+        fail(str(exc) or "interrupted; nothing was written", EXIT_INTERRUPTED)
 
 
-def check_device(device: str) -> None:
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise UserError(f"--device {device!r} is not a device: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but this machine has no CUDA GPU")
+def main(argv: list[str] | None = None) -> dict:
+    """The command line; returns the run's (or the re-measure's) record. ``--help`` and
+    ``--version`` exit 0; bad input exits 2 with one ``error:`` line."""
+    result = run_command(command, argv, PROG)
+    if isinstance(result, int):  # click ended the command itself: help, version or a usage error
+        sys.exit(result)
+    return result

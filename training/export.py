@@ -8,12 +8,10 @@ config, and ``corpus_manifest.json`` (Python version, every corpus file's sha256
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from fixtures.make_tiny import release_tensors, write_release, write_tokenizer_config
-
-MANIFEST_FILE = "corpus_manifest.json"
+from training.outdir import MANIFEST_FILE, replace_checkpoint
 
 
 def export(out: Path, cfg, backbone_sd: dict, head_sd: dict, tok) -> int:
@@ -25,11 +23,16 @@ def export(out: Path, cfg, backbone_sd: dict, head_sd: dict, tok) -> int:
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
-def write_checkpoint(out: Path, cfg, state: tuple[dict, dict], tok, manifest: dict) -> int:
-    """Replace ``out`` with the checkpoint of ``state`` (backbone, head state dicts) and the corpus
-    manifest; returns the bytes of the safetensors files."""
-    if out.exists():
-        shutil.rmtree(out)
-    ckpt_bytes = export(out, cfg, state[0], state[1], tok)
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-    return ckpt_bytes
+def write_checkpoint(out: Path, cfg, state: tuple[dict, dict], tok, manifest: dict, force: bool = False) -> int:
+    """Put the checkpoint of ``state`` (backbone, head state dicts) and the corpus manifest at
+    ``out``, whole or not at all (``training.outdir.replace_checkpoint``: an earlier run's
+    checkpoint is replaced; another directory only with ``force``, its other files kept); returns
+    the bytes of the safetensors files."""
+    sizes = []
+
+    def write(directory: Path) -> None:
+        sizes.append(export(directory, cfg, state[0], state[1], tok))
+        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    replace_checkpoint(out, write, force)
+    return sizes[0]

@@ -23,8 +23,9 @@ from decoders.serial import SerialDecoder
 from decoders.spec import SpecDecoder
 from training.acceptance import mtp_acceptance
 from training.data import encode_splits, fixed_windows, load_corpus, load_tokenizer
-from training.log import log
+from training.log import log, progress
 from training.model import Preset, require_checkpoint
+from training.outdir import write_text_atomic
 from training.train import evaluate_loss
 
 REMEASURED_FILE = "quality.remeasured.json"
@@ -68,6 +69,18 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def bar_iter(bar, items):
+    for item in items:
+        yield item
+        bar.update(1)
+
+
+def decode_all(dec, prompts: list[list[int]], n: int, desc: str) -> list[list[int]]:
+    """``dec``'s tokens for every prompt, with a progress bar."""
+    with progress(len(prompts), desc, "prompt") as bar:
+        return [dec.decode(q, n).tokens for q in bar_iter(bar, prompts)]
+
+
 def measure_quality(out: Path, corpus, tok, p: Preset, device: str, streams_by_split: dict, spec: bool = True) -> dict:
     """The quality sections of quality.json for the checkpoint at ``out``, measured on ``device``."""
     model = load_model(str(out), device)
@@ -89,7 +102,7 @@ def measure_quality(out: Path, corpus, tok, p: Preset, device: str, streams_by_s
     dec = SerialDecoder()
     dec.prepare(model)
     t0 = time.perf_counter()
-    streams = [dec.decode(q["ids"], p.new_tokens).tokens for q in prompts]
+    streams = decode_all(dec, [q["ids"] for q in prompts], p.new_tokens, "quality: serial")
     serial_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     acc = mtp_acceptance(model.backbone, model.mtp, [q["ids"] for q in prompts], streams, p.depth) if prompts else {}
@@ -110,7 +123,7 @@ def measure_quality(out: Path, corpus, tok, p: Preset, device: str, streams_by_s
     # The same loop measure on dev prompts: what a choice between training variants may use, since
     # held-out is only ever reported
     dev_prompts = heldout_prompts(corpus.split("dev"), tok, p.prompts, p.prompts_per_file, p.prompt_len, p.new_tokens)
-    dev_streams = [dec.decode(q["ids"], p.new_tokens).tokens for q in dev_prompts]
+    dev_streams = decode_all(dec, [q["ids"] for q in dev_prompts], p.new_tokens, "quality: dev loops")
     return {
         "dev": res["dev"],
         "heldout": res["heldout"],
@@ -141,7 +154,8 @@ def spec_check(model, prompts: list[list[int]], streams: list[list[int]], p: Pre
         dec = SpecDecoder(depth=p.depth)
         dec.prepare(model)
         t0 = time.perf_counter()
-        results = [dec.decode(q, p.new_tokens) for q in prompts]
+        with progress(len(prompts), "quality: spec", "prompt") as bar:
+            results = [dec.decode(q, p.new_tokens) for q in bar_iter(bar, prompts)]
         seconds = time.perf_counter() - t0
     except Exception as exc:  # recorded in quality.json: a decoder failure must not lose the run
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -175,9 +189,7 @@ def remeasure(ckpt: Path, preset: Preset, device: str, spec: bool = True) -> dic
               "files_sha256": corpus.manifest()["files_sha256"], **quality,
               "seconds": round(time.perf_counter() - t0, 1)}
     path = ckpt / REMEASURED_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(report, indent=1) + "\n")
     r, d = report["repetition"], report["dev_repetition"]
     log(f"dev: next-token {report['dev']['ntp_loss']:.4f}, loops {d['looping_fraction']:.3f} "
         f"(source {d['reference_looping_fraction']:.3f}); held-out: next-token {report['heldout']['ntp_loss']:.4f}, "

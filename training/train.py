@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from training.data import WindowSampler
-from training.log import log
+from training.log import log, progress
 from training.model import Preset, add_dropout, losses
 
 
@@ -128,8 +128,10 @@ def train(backbone, head, train_stream, dev_windows, p: Preset, steps: int | Non
             mark = "  (best)"
         log(f"eval step {at_step}: dev next-token {dev['ntp_loss']:.4f}  dev mtp {dev['mtp_loss']:.4f}{mark}")
 
+    bar = progress(steps, "train", "step")
     while done < steps:
         step = done
+        bar.update(1)
         if plan["rule"].endswith("time cap") and step in (10, p.calib_steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -140,6 +142,8 @@ def train(backbone, head, train_stream, dev_windows, p: Preset, steps: int | Non
                 left = budget - (time.perf_counter() - t0)
                 fit = step + int(left / (per_step * 1.05))  # 5 % for evaluations
                 steps = max(p.calib_steps + 1, min(steps, fit))
+                bar.total = steps
+                bar.refresh()
                 plan.update({"steps": steps, "seconds_per_step": per_step, "fits_time_cap": fit})
                 log(f"plan: {per_step * 1e3:.0f} ms/step -> {steps} steps "
                     f"({steps * tokens_per_step / train_stream.numel():.1f} epochs); repeat with --steps {steps}")
@@ -174,6 +178,7 @@ def train(backbone, head, train_stream, dev_windows, p: Preset, steps: int | Non
             stopped_by = "time"
             log(f"time budget of {minutes} min reached after {done} of {steps} steps")
             break
+    bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

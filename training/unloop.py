@@ -16,7 +16,7 @@ import time
 import torch
 
 from training.data import WindowSampler
-from training.log import log
+from training.log import log, progress
 from training.model import Preset, add_dropout, losses
 from training.quality import loops
 from training.train import evaluate_loss, param_groups
@@ -86,6 +86,7 @@ def unloop(backbone, head, train_stream, dev_windows, p: Preset, device, seed: i
     log(f"unloop: dev next-token {before['ntp_loss']:.4f} before; {p.unloop_steps} updates, lr {p.unloop_lr}, "
         f"{p.unloop_ngram}-gram repeats, {p.unloop_prompts} continuations x {G} tokens per round")
     rounds, done, t0 = [], 0, time.perf_counter()
+    bar = progress(p.unloop_steps, "unloop", "update")
     while done < p.unloop_steps:
         starts = torch.randint(0, train_stream.numel() - P, (p.unloop_prompts,), generator=gen)
         prompts = train_stream[starts[:, None] + torch.arange(P)[None, :]].to(device)
@@ -110,12 +111,14 @@ def unloop(backbone, head, train_stream, dev_windows, p: Preset, device, seed: i
             opt.zero_grad(set_to_none=True)
             sums += torch.stack([ul.detach().float(), ntp.detach().float()])
         done += k
+        bar.update(k)
         ul_mean, ntp_mean = (sums / k).tolist()
         rec.update({"mean_unlikelihood": round(ul_mean, 5), "mean_train_ntp": round(ntp_mean, 5)})
         rounds.append(rec)
         log(f"unloop {done}/{p.unloop_steps}: generated loops {rec['looping_fraction']:.3f}, repeat tokens "
             f"{rec['repeat_token_fraction']:.3f}, unlikelihood {rec['mean_unlikelihood']:.4f}, "
             f"train ntp {rec['mean_train_ntp']:.4f}  {time.perf_counter() - t0:.0f}s")
+    bar.close()
     for h in hooks:
         h.remove()
     after = evaluate_loss(backbone, head, dev_windows, p.batch, device, amp)

@@ -21,6 +21,7 @@ from audit.retime.document import Outcome, build_document, gpu_document, render_
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
 from audit.retime.load import load_findings
 from audit.retime.measure import Measured, Measurement, PerfClock, Progress, time_looks
+from audit.retime.provenance import control_code, control_code_findings, sandbox_findings
 from audit.retime.workers import WorkerError, recorded_sides, start_workers
 from audit.stream import BadInput, Run, load_run, resolve_stream_path
 
@@ -41,6 +42,7 @@ class RetimeOptions:
     device: str | None = None
     allow_device_mismatch: bool = False
     trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
+    sandbox: bool = True  # the candidate's worker in this machine's sandbox (audit.sandbox), where it has one
     seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
     fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
     s_max: float = 0.95
@@ -118,7 +120,7 @@ def finish(ctx: Context, outcome: Outcome) -> int:
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
 
 
-def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Measured, GpuWatch | None]:
+def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Measured, GpuWatch | None, object]:
     """Both workers started, every look timed; a worker that fails on a fresh prompt is a finding."""
     log(f"retiming {ctx.run.header['candidate']['name']} vs {ctx.run.header['control']['name']} on "
         f"{len(draw.first)} fresh prompts x {ctx.opts.legs} legs, N={ctx.max_new_tokens}, {ctx.device}: "
@@ -126,12 +128,15 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     if not tree_control():
         log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
+    provenance = control_code(sides)  # before any worker starts: the code the control will load
+    findings += control_code_findings(provenance)
     was_reaper = set_subreaper(True)
     gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
     audit_continues = ContinueCounter().install()
     clock = PerfClock()
     try:
-        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues)
+        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox)
+        findings += sandbox_findings(workers["candidate"].launch.sandbox)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
         disagree = header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
@@ -155,11 +160,11 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
             gpu.stop()
         if was_reaper is False:
             set_subreaper(False)
-    return workers, measured, gpu
+    return workers, measured, gpu, provenance
 
 
 def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:
-    workers, measured, gpu = measure(ctx, sides, draw, findings)
+    workers, measured, gpu, provenance = measure(ctx, sides, draw, findings)
     header = ctx.run.header
     findings += process_findings(workers)
     findings += gpu_findings(gpu)
@@ -187,6 +192,9 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
                                timed=timed, exact={p.id: not replayed[p.id].divergences for p in timed},
                                remeasured=measured.remeasured, second_look=measured.second_look,
                                gpu_processes=gpu_document(gpu),
+                               control_code=provenance.summary() if provenance is not None else None,
+                               sandbox=(workers["candidate"].launch.sandbox.describe()
+                                        if workers["candidate"].launch.sandbox else None),
                                unverified_reason=None if verified["ratio"] is not None else "no prompt was timed"))
 
 

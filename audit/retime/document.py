@@ -9,6 +9,7 @@ from audit.processes import GpuWatch
 from audit.report import finding_lines, fmt_ratio
 from audit.retime.fresh import FreshPrompt
 from audit.retime.load import leg_walls, others_load, waited
+from audit.retime.provenance import control_code_line, sandbox_line
 from audit.stream import PromptRun, Run
 
 SCHEMA = "qwen35-exact/retime/2"
@@ -37,6 +38,8 @@ class Outcome:
     second_look: dict | None = None
     gpu_processes: dict | None = None
     unverified_reason: str | None = None
+    control_code: dict | None = None  # core.provenance's summary (None: not checked)
+    sandbox: dict | None = None  # the candidate's sandbox (None: --no-sandbox, or no worker ran)
 
 
 def gpu_document(gpu: GpuWatch | None) -> dict | None:
@@ -85,6 +88,9 @@ def build_document(o: Outcome) -> dict:
         # on a GPU: how often the driver was asked which processes hold a context, and those out of
         # the audit's reach it named (None on a CPU)
         "gpu_processes": o.gpu_processes,
+        # the control's import closure against git HEAD / RECORD; the candidate's sandbox
+        "control_code": o.control_code,
+        "sandbox": o.sandbox,
         "findings": o.findings,
     }
 
@@ -137,6 +143,8 @@ def render_table(doc: dict) -> str:
         lines.append(f"GPU processes: asked {gpu['samples']} times, " + (
             f"not told: {gpu['unmeasured']}" if gpu["unmeasured"] and not gpu["foreign"] else
             f"{len(gpu['foreign'])} out of the audit's reach"))
+    lines.append(f"candidate sandbox: {sandbox_line(doc.get('sandbox'))}; control code: "
+                 f"{control_code_line(doc.get('control_code'))}")
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines += summary_lines(doc)

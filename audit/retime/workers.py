@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from core.continues import ContinueCounter
 from core.schema import ROLES, loads
 
-from audit import checks
+from audit import checks, sandbox
 from audit.pipeline import log
 from audit.processes import ProcessTree, parent_table, tree_control
 from audit.stream import BadInput
@@ -51,8 +51,10 @@ class Side:
 
 
 def worker_command(side: Side, model_spec: str, device: str) -> list[str]:
-    """The command line of one side's worker (a sandbox may prefix it here)."""
-    return [sys.executable, "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
+    """The command line of one side's worker (``start_worker`` runs it, in the sandbox for the
+    candidate). Isolated: no PYTHONPATH, no user site; a trusted plug-in keeps PYTHONPATH, where
+    it is found."""
+    return [sys.executable, "-s" if side.plugin else "-I", "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
             "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
             *(f"--decoder-arg={a}" for a in side.raw_args)]
 
@@ -96,15 +98,17 @@ class Worker:
     """One side's process; ``decode`` is timed by the caller. ``audit_continues`` counts the
     audit's own SIGCONTs, shared by both sides."""
 
-    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter):
+    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False):
         self.role = role
         self.audit_continues = audit_continues
         self.resumes = 0  # SIGCONTs the audit sent the worker
         self.continued: int | None = None  # SIGCONTs the worker last said it received
         self.continues_judged = 0  # of the others' continues, those already put down to a request
+        # a private pycache and temporary directory; for the candidate, the sandbox (audit.sandbox)
+        self.launch = sandbox.launch(command, sandboxed)
         # a session of its own: stopped as its process group and, through /proc, as its whole tree
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env=dict(os.environ), start_new_session=True)
+        self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1, env=self.launch.env, start_new_session=True)
         # orphans go with the candidate: the control is the audit's own decoder, which starts none
         self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
         self.ready: dict | None = None
@@ -182,23 +186,27 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
         self.killed_at_close = self.tree.kill_members()
+        self.launch.cleanup()
 
 
-def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter) -> Worker:
-    """One side's worker, started cold (not yet ready)."""
+def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter,
+                 sandboxed: bool) -> Worker:
+    """One side's worker, started cold (not yet ready); the candidate's in the sandbox when
+    ``sandboxed``."""
     log(f"starting the {side.role}'s worker: {side.describe()}")
-    return Worker(side.role, worker_command(side, model_spec, device), audit_continues)
+    return Worker(side.role, worker_command(side, model_spec, device), audit_continues,
+                  sandboxed=sandboxed and side.role == "candidate")
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str,
-                  audit_continues: ContinueCounter) -> dict[str, Worker]:
+                  audit_continues: ContinueCounter, sandboxed: bool = True) -> dict[str, Worker]:
     """Both sides cold, in processes of their own, each ready; the audit's children from before
     are no one's orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
     workers = {}
     try:
         for side in sides:
-            workers[side.role] = start_worker(side, model_spec, device, audit_continues)
+            workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed)
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():

@@ -1,0 +1,34 @@
+"""Runs a click command as a plain function: the callback's return value comes back (tests and
+``main(argv)`` callers use it), and bad usage is one ``error:`` line with exit status 2."""
+from __future__ import annotations
+
+import click
+from click.exceptions import NoArgsIsHelpError
+
+EXIT_USAGE = 2
+
+
+def run_command(command: click.Command, argv: list[str] | None, prog_name: str):
+    """``command``'s callback result for ``argv`` (None: sys.argv), or, where click ended the
+    command itself, an exit status: 0 after ``--help`` or ``--version``; 2 after a usage error (a
+    missing or malformed option), printed as one ``error: ...`` line naming ``--help``; 2 after
+    the group's help for a group called without a command."""
+    try:
+        return command.main(args=argv, prog_name=prog_name, standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        click.echo(exc.format_message(), err=True)
+        return EXIT_USAGE
+    except click.UsageError as exc:
+        path = exc.ctx.command_path if exc.ctx is not None else prog_name
+        click.echo(f"error: {one_line(exc.format_message())} (see {path} --help)", err=True)
+        return EXIT_USAGE
+    except click.ClickException as exc:
+        click.echo(f"error: {one_line(exc.format_message())}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:  # Ctrl-C while click itself was running (a prompt)
+        click.echo("error: interrupted; nothing was written", err=True)
+        return 130
+
+
+def one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())

@@ -1,0 +1,318 @@
+"""Proof that the control runs unchanged code: its import closure checked against references.
+
+``check_control_code()`` finds the files the control's decode path loads and hashes each against
+a reference that a decoder running later cannot rewrite from inside the audit's processes:
+
+  closure      a fresh isolated interpreter (``python -I``, no user site, a private empty
+               ``PYTHONPYCACHEPREFIX`` so no stale or planted ``.pyc`` is loaded) imports the
+               control's modules (``CONTROL_MODULES``) and prints the file of every module it
+               loaded. To these come every ``.py`` file of the distributions in ``FULL_DISTRIBUTIONS``
+               (torch and transformers load more of themselves lazily, during a forward) and every
+               tracked ``.py`` file of this project's packages the closure touched.
+  this project a file inside a git work tree is checked against git ``HEAD``: its bytes hashed as
+               a git blob here (no git filter or hook runs) against ``git ls-tree -r HEAD``, run
+               with a clean environment and no user or system configuration. A file outside a work
+               tree is checked against its installed distribution's ``RECORD``.
+  libraries    a file a distribution installed is checked against the sha256 in its ``RECORD``.
+  startup      ``.pth`` files and ``sitecustomize`` / ``usercustomize`` modules (code every
+               interpreter runs at startup, ``-I`` or not) are listed; a ``.pth`` a ``RECORD`` lists
+               is checked like any other file, the others are reported (``unowned``).
+
+A loaded file that no reference covers (not the standard library's, not in a ``RECORD``, not
+tracked at ``HEAD``) is listed under ``unverified``; a changed or missing file under ``modified``,
+each a ``control-code-modified`` finding naming it.
+
+Limits: the references live on the same machine. A process that can rewrite the checkout's
+``.git`` (its objects and ``HEAD``) or a distribution's ``RECORD`` together with the files can make
+a changed file pass; the standard library and compiled extension modules are not hashed. Run the
+audit from a checkout, and an environment, that the candidate never had write access to.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONTROL_MODULES = ("harness.worker", "decoders.serial", "decoders", "core.models", "core.determinism")
+FULL_DISTRIBUTIONS = ("torch", "transformers")
+STARTUP_MODULES = ("sitecustomize", "usercustomize")
+CHUNK = 1 << 20
+CLOSURE_TIMEOUT_S = 300
+
+# run by the fresh interpreter: import the modules, print every loaded module's file
+CLOSURE = """
+import json, sys
+for name in sys.argv[1:]:
+    __import__(name)
+print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values())
+                         if isinstance(getattr(m, "__file__", None), str)})))
+"""
+
+
+@dataclass
+class ProvenanceReport:
+    checked: int = 0
+    references: list[str] = field(default_factory=list)
+    modified: list[dict] = field(default_factory=list)  # path, reference, expected, actual
+    unverified: list[str] = field(default_factory=list)  # loaded, covered by no reference
+    startup: list[dict] = field(default_factory=list)  # path, kind, owner (a distribution or None)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.modified
+
+    def summary(self) -> dict:
+        """The check for a header or retime.json."""
+        gits = [r for r in self.references if r.startswith("git ")]
+        dists = len(self.references) - len(gits)
+        reference = "; ".join(gits + ([f"RECORD of {dists} distributions"] if dists else []))
+        return {"checked": self.checked, "reference": reference, "modified": self.modified,
+                "unverified": self.unverified, "startup": self.startup, "seconds": round(self.seconds, 3)}
+
+    def findings(self) -> list[dict]:
+        """``control-code-modified`` (fail) per changed file; ``control-startup-code`` (warn) for
+        startup code no distribution owns. Shaped as the audit's findings."""
+        out = [{"check": "control-code-modified", "severity": "fail", "prompt_id": None,
+                "message": f"{m['path']} differs from its reference ({m['reference']}: expected {m['expected']}, "
+                           f"found {m['actual']}): the control would not run the code it names", **m}
+               for m in self.modified]
+        unowned = [s["path"] for s in self.startup if s["owner"] is None]
+        if unowned:
+            out.append({"check": "control-startup-code", "severity": "warn", "prompt_id": None,
+                        "message": f"startup code no distribution owns runs in every interpreter: {', '.join(unowned)}",
+                        "paths": unowned})
+        return out
+
+
+def sha256_file(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.digest()
+
+
+def git_blob_sha(path: str) -> str:
+    """The git blob id of a file's bytes, as ``git hash-object`` gives it without filters."""
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def record_hash(path: str) -> str:
+    """``sha256=...`` as a RECORD writes it (urlsafe base64, no padding)."""
+    return "sha256=" + base64.urlsafe_b64encode(sha256_file(path)).rstrip(b"=").decode()
+
+
+def clean_git_env() -> dict:
+    return {"PATH": os.environ.get("PATH", os.defpath), "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
+
+
+def git(root: str, *args: str) -> str:
+    exe = shutil.which("git")
+    if exe is None:
+        raise OSError("git is not installed")
+    done = subprocess.run([exe, "-c", "safe.directory=*", "-c", "core.fsmonitor=false", "-C", root, *args],
+                          env=clean_git_env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise OSError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
+    return done.stdout.decode("utf-8", errors="surrogateescape")
+
+
+@dataclass
+class GitReference:
+    """The blobs at ``HEAD`` of the work tree ``root``."""
+
+    root: str
+    head: str
+    blobs: dict[str, str]  # absolute path -> blob id
+
+    @classmethod
+    def find(cls, directory: str) -> "GitReference | None":
+        try:
+            root = git(directory, "rev-parse", "--show-toplevel").strip()
+            head = git(root, "rev-parse", "--verify", "HEAD").strip()
+            listing = git(root, "ls-tree", "-r", "-z", "--full-tree", "HEAD")
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        blobs = {}
+        for entry in filter(None, listing.split("\0")):
+            meta, _, rel = entry.partition("\t")
+            mode, kind, sha = meta.split()
+            if kind == "blob":
+                blobs[os.path.normpath(os.path.join(root, rel))] = sha
+        return cls(root, head, blobs)
+
+    @property
+    def name(self) -> str:
+        return f"git HEAD {self.head}"
+
+
+def record_index(names=None) -> dict[str, tuple[str, str]]:
+    """Absolute path -> (RECORD hash, distribution) of every file installed distributions list
+    with a hash; ``names`` limits it to those distributions."""
+    out = {}
+    dists = [importlib.metadata.distribution(n) for n in names] if names else importlib.metadata.distributions()
+    for dist in dists:
+        base = str(dist.locate_file(""))
+        label = f"RECORD {dist.metadata['Name']} {dist.version}"
+        for f in dist.files or ():
+            if f.hash is not None and f.hash.mode == "sha256":
+                out.setdefault(os.path.normpath(os.path.join(base, str(f))), (f"sha256={f.hash.value}", label))
+    return out
+
+
+class Closure:
+    """The module files a fresh isolated interpreter loads importing ``modules``; started at once,
+    read by ``files()`` (so the hashing of what is known already overlaps the imports)."""
+
+    def __init__(self, modules, python: str = sys.executable):
+        self.cache = tempfile.TemporaryDirectory(prefix="qwen35-pycache-")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env["PYTHONPYCACHEPREFIX"] = self.cache.name
+        self.proc = subprocess.Popen([python, "-I", "-c", CLOSURE, *modules], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    def files(self) -> list[str]:
+        try:
+            out, err = self.proc.communicate(timeout=CLOSURE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+        finally:
+            self.cache.cleanup()
+        if self.proc.returncode != 0 or not out.strip():
+            raise OSError(f"importing the control's modules failed: {err.strip()[-400:]}")
+        return [os.path.normpath(p) for p in json.loads(out.strip().splitlines()[-1]) if os.path.isabs(p)]
+
+
+def stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(os.path.normpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib"))
+
+
+def site_dirs() -> list[str]:
+    paths = sysconfig.get_paths()
+    return sorted({os.path.normpath(paths[k]) for k in ("purelib", "platlib")})
+
+
+def startup_files(site: list[str], records: dict) -> list[dict]:
+    """``.pth`` files in the site directories and startup modules found there."""
+    out = []
+    for d in site:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for name in names:
+            stem = name.split(".")[0]
+            if name.endswith(".pth") or stem in STARTUP_MODULES:
+                path = os.path.join(d, name)
+                owner = records.get(path, (None, None))[1]
+                out.append({"path": path, "kind": "pth" if name.endswith(".pth") else stem, "owner": owner})
+    return out
+
+
+def python_files(root: str, packages: set[str], blobs: dict[str, str]) -> list[str]:
+    """Tracked ``.py`` files of ``packages`` (top-level directories of ``root``)."""
+    tops = tuple(os.path.join(root, p) + os.sep for p in packages)
+    return [p for p in blobs if p.endswith(".py") and p.startswith(tops)]
+
+
+def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_DISTRIBUTIONS,
+                       python: str = sys.executable, git_reference=None, records=None,
+                       clock=time.perf_counter) -> ProvenanceReport:
+    """Check the control's code (see the module docstring). ``git_reference`` (a ``GitReference``,
+    or a directory to find one from; by default the work tree of the first control module's
+    package) and ``records`` (``record_index()``'s map) are injectable."""
+    start = clock()
+    closure = Closure(control_modules, python)
+    report, done = ProvenanceReport(), set()
+    try:
+        records = record_index() if records is None else records
+        if git_reference is None or isinstance(git_reference, (str, os.PathLike)):
+            anchor = str(git_reference) if git_reference is not None else package_dir(control_modules)
+            git_reference = GitReference.find(anchor) if anchor else None
+        names = {n.lower() for n in full_distributions}
+        first = {p for p, (_, label) in records.items() if p.endswith(".py") and label.split(" ")[1].lower() in names}
+        report.startup = startup_files(site_dirs(), records)
+        first |= {s["path"] for s in report.startup if s["owner"] is not None}
+        check_files(first, git_reference, records, report, done)
+    finally:
+        loaded = closure.files()
+    later = set(loaded)
+    if git_reference is not None:
+        packages = {os.path.relpath(p, git_reference.root).split(os.sep)[0] for p in loaded
+                    if p.startswith(git_reference.root + os.sep)}
+        later |= set(python_files(git_reference.root, packages, git_reference.blobs))
+    check_files(later, git_reference, records, report, done)
+    report.seconds = clock() - start
+    return report
+
+
+def check_files(paths, git_reference, records, report: ProvenanceReport, done: set) -> None:
+    stdlib, site = stdlib_dirs(), site_dirs()
+    for path in sorted(set(paths) - done):
+        done.add(path)
+        if path.startswith(stdlib) and not any(path.startswith(s + os.sep) for s in site):
+            continue
+        reference = check_file(path, git_reference, records, report)
+        if reference is None:
+            report.unverified.append(path)
+        elif reference not in report.references:
+            report.references.append(reference)
+
+
+def check_file(path: str, git_reference: GitReference | None, records: dict, report: ProvenanceReport) -> str | None:
+    """Hash one file against its reference; returns the reference's name, or None if none covers it."""
+    if git_reference is not None and path in git_reference.blobs:
+        expected, name = git_reference.blobs[path], git_reference.name
+        actual = git_blob_sha(path) if os.path.isfile(path) else "missing"
+    elif path in records:
+        expected, name = records[path]
+        actual = record_hash(path) if os.path.isfile(path) else "missing"
+    elif git_reference is not None and path.startswith(git_reference.root + os.sep):
+        expected, name, actual = "absent", git_reference.name, "untracked file"
+    else:
+        return None
+    report.checked += 1
+    if actual != expected:
+        report.modified.append({"path": path, "reference": name, "expected": expected, "actual": actual})
+    return name
+
+
+def package_dir(modules) -> str | None:
+    """The directory holding the first control module's top-level package, found without
+    importing it (``importlib.util.find_spec`` of a top-level name runs no project code)."""
+    import importlib.util
+
+    top = modules[0].split(".")[0] if modules else None
+    try:
+        spec = importlib.util.find_spec(top) if top else None
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(list(spec.submodule_search_locations)[0]).parent)
+
+
+def control_code_header(**kwargs) -> tuple[dict, list[dict]]:
+    """For ``harness time``: the check's summary for the run header (``control_code``) and its
+    findings (a non-empty ``control-code-modified`` list means the control's code changed)."""
+    report = check_control_code(**kwargs)
+    return report.summary(), report.findings()

@@ -1,0 +1,74 @@
+"""Record files: one JSON object per line, appended whole, that `audit tokens` can check.
+
+Shape (a) of docs/audit-tokens.md, with the N the output was decoded under:
+``{"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model"}``.
+Several writers (``harness generate`` runs, a server's requests) may append to one file: each
+line goes out in one ``write`` on a file opened for appending, then is flushed to disk, so lines
+never interleave and a crash leaves at most a missing line, never half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from core.errors import UserError
+
+
+def check_record_path(path) -> Path:
+    """Refuse, before any work, a record path that cannot be appended to: a directory, a
+    device or other non-regular file, a missing or unwritable parent directory."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        parent = path.parent
+        if not parent.is_dir():
+            raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} does not exist") from None
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} is not writable") from None
+        return path
+    except OSError as exc:
+        raise UserError(f"record file {str(path)!r}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"record file {str(path)!r} is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"record file {str(path)!r} is not a regular file")
+    if not os.access(path, os.W_OK):
+        raise UserError(f"record file {str(path)!r} is not writable")
+    return path
+
+
+def record_line(record: dict) -> bytes:
+    return (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def append_record(path, record: dict) -> None:
+    """Append ``record`` as one line of ``path`` (created if missing) in a single write, then
+    flush it to disk."""
+    path = check_record_path(path)
+    data = record_line(record)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise UserError(f"record file {str(path)!r}: cannot open for appending ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
+            raise UserError(f"record file {str(path)!r} is not a regular file")
+        written = os.write(fd, data)
+        if written != len(data):  # a full disk: say so rather than leave a silent half line
+            raise UserError(f"record file {str(path)!r}: wrote {written} of {len(data)} bytes (disk full?)")
+        os.fsync(fd)
+    except OSError as exc:
+        raise UserError(f"record file {str(path)!r}: cannot append ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def generation_record(record_id: str, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int,
+                      decoder: str, model: str) -> dict:
+    """One generation in `audit tokens` shape (a), with its own N."""
+    return {"id": record_id, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
+            "max_new_tokens": int(max_new_tokens), "decoder": decoder, "model": model}

@@ -1,0 +1,1 @@
+"""One module per ``harness`` command: each parses its options and calls one function."""

@@ -1,0 +1,57 @@
+"""``harness generate``: parse the options, decode one prompt with an exact decoder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from core.errors import fail
+from core.version import version_option
+from harness.commands.common import run_cli
+from harness.generate import GenerateOptions, run_generate  # torch loads only when it runs
+
+
+@click.command("generate")
+@version_option
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Read the prompt text from FILE (UTF-8) instead of the PROMPT argument.")
+@click.option("--prompt-ids", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Read the prompt as token ids, a JSON list in FILE (for models without a tokenizer, "
+                   "such as synthetic-9b), instead of text.")
+@click.option("--chat", is_flag=True,
+              help="Apply the tokenizer's chat template to the prompt as one user message, with the "
+                   "assistant's turn opened (Qwen's ChatML layout when the tokenizer has no template).")
+@click.option("--model", default=GenerateOptions.model, show_default=True, metavar="MODEL",
+              help="Built-in model name (small, tiny, synthetic-9b) or a Qwen3.5 checkpoint directory.")
+@click.option("--decoder", default=GenerateOptions.decoder, show_default=True, metavar="NAME",
+              help="Decoder: a registered name (see `harness list`) or package.module:attr.")
+@click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
+              help="Constructor argument for the decoder (repeatable), e.g. max_depth=4.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=GenerateOptions.max_new_tokens,
+              show_default=True, help="The most new tokens; decoding stops earlier right after an EOS.")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print one JSON object on stdout (prompt_ids, token_ids, text, finish_reason, stats) "
+                   "instead of streaming the text.")
+@click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="Append the prompt and output token ids to FILE as one `audit tokens` line "
+                   "(with the decoder, model and N), so `audit tokens FILE --model MODEL` can check it.")
+def generate_cmd(json_out, **options):
+    """Generate a greedy continuation of PROMPT with an exact decoder, streaming the text.
+
+    The prompt is PROMPT, the text of --prompt-file, token ids from --prompt-ids, or stdin
+    (PROMPT "-", or no PROMPT with stdin not a terminal). The text goes to stdout as the decoder emits it; a stats line (tokens,
+    seconds, tokens/s, time to first token, mean accepted length, drafted/accepted) goes to stderr
+    at the end. The tokens are exactly serial greedy decoding's: it stops right after the first
+    EOS, or after N tokens.
+    """
+    opts = GenerateOptions(json=json_out, **options)
+    run_cli(lambda: interruptible(opts))
+
+
+def interruptible(opts: GenerateOptions) -> None:
+    try:
+        run_generate(opts)
+    except KeyboardInterrupt:
+        fail("interrupted; no record was written", 130)

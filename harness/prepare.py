@@ -1,0 +1,106 @@
+"""Everything a process needs before its first timed leg (``Setup``), built by ``prepare_run``.
+
+torch and the model load only when a command runs: the imports inside functions say so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from core.errors import UserError
+from decoders import get_decoder, parse_decoder_args
+from harness.options import TimeOptions
+
+
+
+@dataclass
+class Setup:
+    """Everything a process needs before its first timed leg: both decoders prepared on the model,
+    the prompts with their warm-up prompts, and the run's clock and integrity watch."""
+
+    control: object
+    candidate: object
+    decoder_kwargs: dict
+    model: object
+    dev: object
+    max_new_tokens: int
+    prompts: list
+    prompt_info: dict
+    warmups: dict  # prompt id -> warm-up token ids
+    resident: dict
+    clock: object
+    watch: object
+    violations: list = field(default_factory=list)  # found after prepare()
+    control_code: dict | None = None  # core.provenance's check of the control's code, before anything ran
+
+
+def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
+    """Load the model, prepare both decoders, then load the prompts (the same on every rank).
+    The clock and the integrity watch start first, before a plug-in decoder's module is imported."""
+    import torch  # heavy: loads only when a command runs
+
+    from core.models import load_model  # imports torch: loads only when a command runs
+    from core.prompts import load_prompts  # imports torch: loads only when a command runs
+    from harness.timing import Clock, Watch, warmup_ids  # imports torch: loads only when a command runs
+
+    log = log or (lambda message: click.echo(message, err=True))
+    check_prompt_set(opts.prompts)
+    control_code = check_control_code(log)
+    clock = Clock.start()
+    watch = Watch(settings, clock)
+    control = get_decoder(opts.control)
+    watch.watch_control(control)
+    kwargs = parse_decoder_args(opts.decoder_args)
+    candidate = get_decoder(opts.decoder, **kwargs)
+    log(f"loading model {opts.model} ...")
+    model = load_model(opts.model, opts.device)
+    dev = model.device
+    max_new_tokens = opts.max_new_tokens or (512 if dev.type == "cuda" else 64)
+    # both decoders are prepared before the prompt set is loaded, so prepare() cannot find the
+    # run's prompts in this process
+    resident = {role: resident_bytes(dec, model, dev) for role, dec in (("control", control), ("candidate", candidate))}
+    violations = watch.check("after prepare")
+    prompts, prompt_info = load_prompts(opts.prompts, model, opts.limit)
+    warmups = {p.id: warmup_ids(opts.seed, i, len(p.token_ids), model.vocab_size, p.token_ids)
+               for i, p in enumerate(prompts)}
+    torch.manual_seed(opts.seed)
+    return Setup(control, candidate, kwargs, model, dev, max_new_tokens, prompts, prompt_info, warmups, resident,
+                 clock, watch, violations, control_code)
+
+
+def check_control_code(log) -> dict:
+    """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
+    is imported; a changed file is named here, recorded in the header, and fails the audit."""
+    from core.provenance import control_code_header  # runs a fresh interpreter: only when a command runs
+
+    summary, findings = control_code_header()
+    for f in findings:
+        log(f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}")
+    return summary
+
+
+def check_prompt_set(spec: str | None) -> None:
+    """A prompt set that cannot exist is refused before the model loads and the decoders are
+    prepared; the set itself is loaded after them."""
+    from core.prompts import BUILTIN_PROMPTS, parse_corpus_spec  # imports torch: loads only when a command runs
+
+    if spec is None or spec in BUILTIN_PROMPTS or parse_corpus_spec(spec) is not None or Path(spec).is_file():
+        return
+    raise UserError(f"prompt file {spec!r} not found, and {spec!r} is not a built-in prompt set "
+                    f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
+
+
+def resident_bytes(decoder, model, dev):
+    """Prepare ``decoder`` and return the device memory it keeps allocated (None off CUDA)."""
+    import torch  # heavy: loads only when a command runs
+
+    if dev.type != "cuda":
+        decoder.prepare(model)
+        return None
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    decoder.prepare(model)
+    torch.cuda.synchronize(dev)
+    return max(0, torch.cuda.memory_allocated(dev) - before)

@@ -1,0 +1,36 @@
+"""``ServeOptions``: every ``harness serve`` option as one value (no heavy imports)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.catalog import DEFAULT_MODEL
+
+DEFAULT_MAX_TOKENS = 256  # a request that names no max_tokens gets this many (capped by the limit)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Every ``harness serve`` option, named once (``serve_cmd`` builds it from the command line)."""
+
+    model: str = DEFAULT_MODEL  # a built-in model name or a checkpoint directory
+    decoder: str = "spec"  # a registered decoder name or package.module:attr
+    decoder_args: tuple[str, ...] = ()  # KEY=VALUE constructor arguments of the decoder
+    device: str | None = None  # None: cuda if available, else cpu
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: pick a free port (printed)
+    queue_size: int = 8  # requests that may wait while one decodes; one more is answered 429
+    max_new_tokens_limit: int = 4096  # a request asking for more is answered 400
+    record: Path | None = None  # append every finished request's ids here (audit tokens' shape (a))
+    served_model_name: str | None = None  # None: the model's name
+
+    def __post_init__(self):
+        if not isinstance(self.decoder_args, tuple):
+            raise ValueError("ServeOptions.decoder_args must be a tuple of KEY=VALUE strings")
+        if not 0 <= self.port <= 65535 or self.queue_size < 1 or self.max_new_tokens_limit < 1:
+            raise ValueError(f"ServeOptions out of range: port={self.port}, queue_size={self.queue_size}, "
+                             f"max_new_tokens_limit={self.max_new_tokens_limit}")
+
+    @property
+    def default_max_tokens(self) -> int:
+        return min(DEFAULT_MAX_TOKENS, self.max_new_tokens_limit)

@@ -1,0 +1,259 @@
+"""``decoders.api``: open_decoder / generate give exactly the serial control's tokens, stream them
+as batches that concatenate to the tokens and the text, stop on cancel, and refuse bad input."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import pytest
+
+from core.errors import UserError
+from core.models import TINY_DIR
+from decoders.api import Cancelled, ExactDecoder, Generation, GenerationStats, open_decoder
+from decoders.base import DecodeResult, DecodeStats
+from decoders.serial import SerialDecoder
+
+N = 24
+PROMPTS = ["def fib(n):", "The river ran", "import os\nimport sys\n"]
+
+
+@pytest.fixture(scope="module")
+def opened():
+    cache = {}
+
+    def get(model: str, name: str) -> ExactDecoder:
+        if (model, name) not in cache:
+            cache[model, name] = open_decoder(model, name, device="cpu")
+        return cache[model, name]
+    return get
+
+
+def serial_tokens(dec: ExactDecoder, ids: list[int], n: int) -> list[int]:
+    control = SerialDecoder()
+    control.prepare(dec.model)
+    return control.decode(ids, n).tokens
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["spec", "fast-serial"])
+def test_tokens_equal_serial_and_stream_concatenates(opened, model, name):
+    dec = opened(model, name)
+    assert dec.name == name and dec.eos_token_ids == tuple(dec.model.eos_token_ids)
+    for prompt in PROMPTS:
+        batches = []
+        gen = dec.generate(prompt, N, on_token=lambda ids, text: batches.append((ids, text)))
+        assert isinstance(gen, Generation) and isinstance(gen.stats, GenerationStats)
+        assert gen.prompt_ids == dec.encode(prompt)
+        assert gen.token_ids == serial_tokens(dec, gen.prompt_ids, N)
+        assert [t for ids, _ in batches for t in ids] == gen.token_ids
+        assert all(ids for ids, _ in batches[:-1])
+        assert "".join(text for _, text in batches) == gen.text == dec.text(gen.token_ids)
+        ended = gen.token_ids[-1] in dec.eos_token_ids
+        assert gen.finish_reason == ("stop" if ended else "length")
+        assert len(gen.token_ids) == N or ended
+        s = gen.stats
+        assert (s.prompt_tokens, s.new_tokens) == (len(gen.prompt_ids), len(gen.token_ids))
+        assert s.forwards >= 1 and s.seconds >= 0 and s.time_to_first_token_s is not None
+        assert 0 <= s.accepted <= s.drafted
+        if name == "fast-serial":
+            assert (s.drafted, s.accepted, s.mean_accepted_length) == (0, 0, None)
+            assert s.forwards == len(gen.token_ids)
+
+
+def test_ids_prompt_and_no_callback(opened):
+    dec = opened("tiny", "spec")
+    ids = dec.encode(PROMPTS[0])
+    gen = dec.generate(ids, 7)
+    assert gen.token_ids == serial_tokens(dec, ids, 7) and gen.finish_reason == "length"
+    assert gen.text == dec.text(gen.token_ids)
+
+
+@pytest.mark.parametrize("name", ["spec", "fast-serial"])
+def test_stops_right_after_eos(opened, name):
+    dec = opened("tiny", name)
+    ids = dec.encode(PROMPTS[1])
+    stream = serial_tokens(dec, ids, N)
+    k = next(k for k in range(3, N) if stream[k] not in stream[:k])
+    eos_model = dataclasses.replace(dec.model, eos_token_ids=(stream[k],))
+    inner, saved = dec.decoder, dec.decoder.model
+    inner.model = eos_model  # the decoders read EOS ids from their model at each decode
+    try:
+        gen = ExactDecoder(inner, eos_model).generate(ids, N)
+    finally:
+        inner.model = saved
+    assert gen.token_ids == stream[:k + 1] and gen.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("how", ["event", "raise"])
+def test_cancel_stops_at_the_next_batch(opened, how):
+    dec = opened("tiny", "fast-serial")
+    ids = dec.encode(PROMPTS[0])
+    cancel, seen = threading.Event(), []
+
+    def on_token(new, text):
+        seen.append(new)
+        if len(seen) == 3:
+            if how == "raise":
+                raise Cancelled()
+            cancel.set()
+    gen = dec.generate(ids, N, on_token=on_token, cancel=cancel)
+    assert gen.finish_reason == "cancelled"
+    assert gen.token_ids == serial_tokens(dec, ids, N)[:3] == [t for b in seen for t in b]
+    assert gen.stats.new_tokens == 3
+    # a cancelled generation leaves the decoder exact for the next one
+    assert dec.generate(ids, N).token_ids == serial_tokens(dec, ids, N)
+
+
+def test_cancel_set_before_start_emits_one_batch(opened):
+    dec = opened("tiny", "spec")
+    cancel = threading.Event()
+    cancel.set()
+    gen = dec.generate(PROMPTS[0], N, cancel=cancel)
+    assert gen.finish_reason == "cancelled" and len(gen.token_ids) == 1
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["spec", "fast-serial"])
+def test_callback_exception_propagates_and_decoder_stays_exact(opened, name):
+    dec = opened("tiny", name)
+    ids = dec.encode(PROMPTS[2])
+    want = serial_tokens(dec, ids, N)
+    calls = itertools.count()
+
+    def on_token(new, text):
+        if next(calls) == 2:
+            raise Boom()
+    with pytest.raises(Boom):
+        dec.generate(ids, N, on_token=on_token)
+    assert dec.generate(ids, N).token_ids == want
+    # the same through the decoder's own on_tokens: the next decode starts from its own prefill
+    with pytest.raises(Boom):
+        dec.decoder.decode(ids, N, on_tokens=lambda new: (_ for _ in ()).throw(Boom()))
+    assert dec.decoder.decode(ids, N).tokens == want
+
+
+def test_decoder_on_tokens_batches_are_the_result(opened):
+    dec = opened("tiny", "spec")
+    ids = dec.encode(PROMPTS[0])
+    got = []
+    result = dec.decoder.decode(ids, N, on_tokens=got.append)
+    assert [t for b in got for t in b] == result.tokens == serial_tokens(dec, ids, N)
+    assert all(b for b in got)
+
+
+def test_spec_naive_streams_its_result(tiny):
+    from decoders.spec_naive import SpecNaiveDecoder
+
+    dec = SpecNaiveDecoder()
+    dec.prepare(tiny)
+    got = []
+    result = dec.decode([5, 6, 7, 8], N, on_tokens=got.append)
+    assert [t for b in got for t in b] == result.tokens and len(result.tokens) <= N
+
+
+class ReplayDecoder:
+    """A plug-in without ``on_tokens``: emits a fixed token list."""
+
+    name = "replay"
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def prepare(self, model):
+        self.model = model
+
+    def config(self):
+        return {}
+
+    def decode(self, prompt_ids, max_new_tokens):
+        return DecodeResult(self.tokens[:max_new_tokens], DecodeStats(forwards=1))
+
+
+class StreamingReplay(ReplayDecoder):
+    def decode(self, prompt_ids, max_new_tokens, *, on_tokens=None):
+        out = self.tokens[:max_new_tokens]
+        for t in out:
+            if on_tokens is not None:
+                on_tokens([t])
+        return DecodeResult(out, DecodeStats(forwards=len(out)))
+
+
+def test_plugin_without_on_tokens_gives_one_batch(tiny):
+    dec = ExactDecoder(ReplayDecoder([7, 8, 9]), tiny)
+    batches = []
+    gen = dec.generate([3, 4], 8, on_token=lambda ids, text: batches.append(ids))
+    assert batches == [[7, 8, 9]] and gen.token_ids == [7, 8, 9] and gen.finish_reason == "length"
+
+
+def test_incomplete_utf8_is_held_back(opened):
+    small = opened("small", "fast-serial").model
+    tok = small.tokenizer.get()
+    text = "x = '\u20ac\u00e9\U0001f600' # \u4e2d\u6587"
+    ids = tok.encode(text)
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "the test needs a character split across tokens"
+    dec = ExactDecoder(StreamingReplay(ids), small)
+    texts = []
+    gen = dec.generate([5], len(ids), on_token=lambda new, t: texts.append(t))
+    assert gen.text == text == "".join(texts)
+    assert not any("\ufffd" in t for t in texts)
+
+
+def test_injected_clock_times_the_generation(tiny):
+    ticks = iter(range(100))
+    dec = ExactDecoder(StreamingReplay([7, 8, 9, 10]), tiny, clock=lambda: float(next(ticks)))
+    gen = dec.generate([3], 4, on_token=lambda ids, text: None)
+    # clock reads: start 0, first batch 1, end 2
+    assert gen.stats.time_to_first_token_s == 1.0 and gen.stats.seconds == 2.0
+    assert gen.stats.tokens_per_s == 2.0
+
+
+def test_streamed_tokens_that_differ_from_the_result_are_an_error(tiny):
+    class Liar(StreamingReplay):
+        def decode(self, prompt_ids, max_new_tokens, *, on_tokens=None):
+            on_tokens([1])
+            return DecodeResult([2], DecodeStats())
+    with pytest.raises(RuntimeError, match="differ"):
+        ExactDecoder(Liar([]), tiny).generate([3], 4)
+
+
+def test_checkpoint_directory(opened):
+    dec = open_decoder(str(TINY_DIR), "fast-serial", device="cpu")
+    ids = dec.encode(PROMPTS[0])
+    assert dec.generate(ids, 12).token_ids == opened("tiny", "fast-serial").generate(ids, 12).token_ids
+    assert dec.model.identity["kind"] == "checkpoint"
+
+
+def test_chat_encoding_uses_chatml_without_a_template(opened):
+    dec = opened("tiny", "fast-serial")
+    ids = dec.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids == dec.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(UserError):
+        dec.encode_chat([{"role": "user"}])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"model": "no-such-model"}, "neither a built-in"),
+    ({"model": "tiny", "name": "no-such-decoder"}, "unknown decoder"),
+    ({"model": "tiny", "name": "spec", "max_depth": 99}, "max_depth"),
+    ({"model": "tiny", "name": "spec", "nonsense": 1}, "nonsense"),
+    ({"model": "tiny", "device": "gpu"}, "not supported"),
+    ({"model": "tiny", "device": "mps"}, "not supported"),
+])
+def test_bad_open_is_a_user_error(kwargs, match):
+    with pytest.raises(UserError, match=match):
+        open_decoder(**kwargs)
+
+
+@pytest.mark.parametrize("prompt,n,match", [
+    ("", 4, "empty"), ([], 4, "empty"), ([-1], 4, "token ids"), ([10**9], 4, "token ids"),
+    ([True], 4, "token ids"), (3.5, 4, "text or a list"), ("hi", 0, "max_new_tokens"),
+    ("hi", True, "max_new_tokens"),
+])
+def test_bad_generate_is_a_user_error(opened, prompt, n, match):
+    with pytest.raises(UserError, match=match):
+        opened("tiny", "fast-serial").generate(prompt, n)

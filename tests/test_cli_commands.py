@@ -1,0 +1,61 @@
+"""Every command's front door: ``--version``, a fast start, and the harness's integrity watch
+covering every module of the package, however its code is split."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from core.version import package_version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def groups():
+    from audit.cli import main as audit_main
+    from harness.cli import main as harness_main
+    from reports.cli import main as reports_main
+
+    return {"harness": harness_main, "audit": audit_main, "reports": reports_main}
+
+
+@pytest.mark.parametrize("name", ["harness", "audit", "reports"])
+def test_every_group_and_subcommand_prints_its_version(name):
+    group = groups()[name]
+    runner = CliRunner()
+    for argv in [["--version"], *([sub, "--version"] for sub in group.commands)]:
+        result = runner.invoke(group, argv)
+        assert result.exit_code == 0, (argv, result.output)
+        assert result.output.strip() == f"qwen35-exact {package_version()}", argv
+
+
+def test_harness_list_and_help_start_without_torch():
+    code = ("import sys\nfrom harness.cli import main\n"
+            "try:\n    main(['list'])\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules, 'TRANSFORMERS', 'transformers' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "TORCH False TRANSFORMERS False" in proc.stdout, proc.stdout + proc.stderr
+    assert "synthetic-9b" in proc.stdout and "stdlib-heldout" in proc.stdout and "spec-instrument" in proc.stdout
+
+
+def test_the_watch_covers_every_module_of_the_harness_package():
+    from harness.timing import WATCHED_MODULES
+
+    on_disk = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "harness").rglob("*.py")}
+    on_disk = {m.removesuffix(".__init__") for m in on_disk}
+    assert on_disk <= set(WATCHED_MODULES)
+    assert {"core.schema", "core.determinism"} <= set(WATCHED_MODULES)
+
+
+def test_the_time_path_loads_its_modules_before_the_watch_begins():
+    """A watched module first loaded after the run began would read as replaced: every module the
+    time command runs on is imported with the command itself."""
+    code = ("import sys\nimport harness.cli\n"
+            "print(sorted(m for m in ('harness.run', 'harness.prepare', 'harness.header', 'harness.sharded', "
+            "'harness.table', 'harness.timed', 'harness.progress', 'harness.load', 'harness.options') "
+            "if m not in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr

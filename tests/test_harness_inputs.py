@@ -1,0 +1,63 @@
+"""``harness time`` on the inputs a new user tries: each is one ``error:`` line, exit 2, before the
+model loads where it can be, and a failed run leaves no directory behind."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+from click.testing import CliRunner
+
+from core.schema import AtomicJsonlWriter
+from harness.cli import main
+
+
+def time_cmd(tmp_path, *args):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["time", "--model", "tiny", "--device", "cpu", "--limit", "1", "-n", "4",
+                                       "--legs", "1", "--out", str(out), *args])
+    return result, out
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--decoder-arg", "depth=-1"), "depth must be >= 0"),
+    (("--decoder", "json:loads"), "could not be built with no arguments"),
+    (("--device", "gpu"), "--device 'gpu' is not available"),
+    (("--device", "mps"), "--device 'mps' is not available"),
+])
+def test_bad_arguments_are_one_line_and_leave_no_directory(tmp_path, args, words):
+    result, out = time_cmd(tmp_path, *args)
+    assert words in one_error_line(result)
+    assert not out.exists()
+
+
+def test_an_out_under_proc_is_refused(tmp_path):
+    result = CliRunner().invoke(main, ["time", "--model", "tiny", "--device", "cpu", "--out", "/proc/x"])
+    assert "cannot write under /proc" in one_error_line(result)
+
+
+def test_an_out_nobody_may_write_under_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    def unwritable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", unwritable)
+    monkeypatch.setattr("core.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    result, out = time_cmd(tmp_path)
+    assert "cannot write under" in one_error_line(result) and "Permission denied" in result.output
+
+
+def test_a_writer_that_fails_removes_the_directories_it_made_and_keeps_the_users(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    with pytest.raises(RuntimeError):
+        with AtomicJsonlWriter(tmp_path / "mine" / "a" / "b" / "stream.jsonl") as writer:
+            writer.write({"type": "header"})
+            raise RuntimeError("failed mid-run")
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["keep.txt"]

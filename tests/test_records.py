@@ -1,0 +1,66 @@
+"""``core.records``: whole lines appended, bad paths refused before any work, nothing clobbered."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from core.errors import UserError
+from core.records import append_record, check_record_path, generation_record
+
+
+def test_appends_one_line_per_record(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": "old"}\n')  # a file the user owned is appended to, never replaced
+    append_record(path, generation_record("a", [1, 2], [3], 4, "spec", "tiny"))
+    append_record(path, {"id": "b", "text": "é\n"})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"id": "old"},
+                     {"id": "a", "prompt_token_ids": [1, 2], "output_token_ids": [3], "max_new_tokens": 4,
+                      "decoder": "spec", "model": "tiny"},
+                     {"id": "b", "text": "é\n"}]
+
+
+def test_concurrent_writers_never_interleave(tmp_path):
+    path = tmp_path / "r.jsonl"
+    big = list(range(5000))  # a line far longer than any buffer of a text-mode writer
+
+    def write(k):
+        for i in range(10):
+            append_record(path, {"id": f"{k}-{i}", "output_token_ids": big})
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 40 and all(json.loads(line)["output_token_ids"] == big for line in lines)
+
+
+def test_bad_paths_are_refused(tmp_path):
+    with pytest.raises(UserError, match="is a directory"):
+        check_record_path(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        check_record_path(tmp_path / "no" / "r.jsonl")
+    with pytest.raises(UserError, match="not a regular file"):
+        append_record("/dev/null", {"id": "x"})
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="not a regular file"):
+        append_record(fifo, {"id": "x"})
+    assert check_record_path(tmp_path / "new.jsonl") == tmp_path / "new.jsonl"
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_directory_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(UserError, match="not writable"):
+            check_record_path(locked / "r.jsonl")
+    finally:
+        locked.chmod(0o700)

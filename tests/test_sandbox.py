@@ -1,0 +1,150 @@
+"""audit.sandbox: the plan this machine offers, the warning where it offers none, and (as root with
+util-linux, as here and in CI) what a command inside can and cannot do: write outside its private
+directory, reach the network, remount, leave a process alive; stopped and continued as a tree."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from audit import sandbox
+from audit.processes import ProcessTree, stat_fields
+
+UNSHARE = bool(shutil.which("unshare") and shutil.which("setpriv") and os.geteuid() == 0 and not shutil.which("bwrap"))
+needs_unshare = pytest.mark.skipif(not UNSHARE, reason="the unshare route needs root, util-linux unshare and setpriv")
+
+PROBE = r"""
+import json, os, socket, subprocess, sys
+out = {"pid": os.getpid()}
+for name, path in (("outside", sys.argv[1]), ("inside", os.environ["TMPDIR"] + "/ok"), ("shm", "/dev/shm/x")):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        out[name] = "written"
+    except OSError as e:
+        out[name] = e.strerror
+try:
+    socket.create_connection(("10.0.0.1", 9), timeout=5)
+    out["net"] = "connected"
+except OSError as e:
+    out["net"] = e.strerror
+out["remount"] = subprocess.run(["mount", "-o", "remount,rw", "/"], capture_output=True).returncode
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[2]], start_new_session=True)
+print(json.dumps(out))
+"""
+
+
+def test_no_tool_gives_the_warning():
+    plan = sandbox.plan("/tmp", which=lambda name: None, root=True)
+    assert plan.tool is None and plan.prefix == () and plan.warning.startswith("candidate-not-sandboxed: ")
+    not_root = sandbox.plan("/tmp", which=lambda name: None if name == "bwrap" else f"/usr/bin/{name}", root=False)
+    assert not_root.tool is None and "root" in not_root.warning
+    assert not_root.wrap(["x"]) == ["x"]
+
+
+def test_bwrap_is_preferred_where_installed(tmp_path):
+    plan = sandbox.plan(tmp_path, which=lambda name: f"/usr/bin/{name}", root=False)
+    assert plan.tool == "bwrap" and plan.warning is None
+    p = list(plan.prefix)
+    assert p[0] == "/usr/bin/bwrap" and p[-1] == "--"
+    for flag in ("--unshare-pid", "--unshare-net", "--die-with-parent"):
+        assert flag in p
+    assert p[p.index("--ro-bind"):p.index("--ro-bind") + 3] == ["--ro-bind", "/", "/"]
+    assert ["--bind", str(tmp_path), str(tmp_path)] == p[p.index("--bind"):p.index("--bind") + 3]
+    assert p[p.index("--cap-drop") + 1] == "ALL"
+
+
+def test_unshare_as_root(tmp_path):
+    plan = sandbox.plan(tmp_path, which=lambda name: None if name == "bwrap" else f"/usr/bin/{name}", root=True)
+    assert plan.tool == "unshare" and plan.warning is None
+    assert plan.prefix[:7] == ("/usr/bin/unshare", "--mount", "--pid", "--net", "--fork", "--mount-proc", "--kill-child")
+    assert "/usr/bin/setpriv" in plan.prefix and "--bounding-set=-all" in plan.prefix
+
+
+def test_launch_gives_a_private_pycache(tmp_path):
+    launch = sandbox.launch(["python"], sandbox=False, environ={"PYTHONUSERBASE": "/x", "A": "1"})
+    try:
+        assert launch.sandbox is None and launch.argv == ["python"]
+        assert launch.env["PYTHONPYCACHEPREFIX"].startswith(launch.tmpdir) and "PYTHONUSERBASE" not in launch.env
+        assert launch.env["A"] == "1" and os.path.isdir(launch.tmpdir)
+    finally:
+        launch.cleanup()
+    assert not os.path.exists(launch.tmpdir)
+
+
+def live_with(marker: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes() and stat_fields(int(entry))[0] != "Z":
+                out.append(int(entry))
+        except (OSError, TypeError, ValueError):
+            continue
+    return out
+
+
+@needs_unshare
+def test_inside_the_sandbox(tmp_path):
+    marker = f"sandbox-probe-{uuid.uuid4()}"
+    outside = tmp_path / "escaped"
+    launch = sandbox.launch([sys.executable, "-I", "-c", PROBE, str(outside), marker], sandbox=True)
+    try:
+        assert launch.sandbox.tool == "unshare"
+        done = subprocess.run(launch.argv, env=launch.env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+    finally:
+        launch.cleanup()
+    assert out["pid"] == 1  # init of its PID namespace
+    assert out["outside"] == "Read-only file system" and not outside.exists()
+    assert out["inside"] == "written" and out["shm"] == "written"
+    assert out["net"] in ("Network is unreachable", "Cannot assign requested address")
+    assert out["remount"] != 0  # no capability left to make anything writable again
+    assert live_with(marker) == []  # its detached child died with the namespace
+    assert not os.path.exists(launch.tmpdir)
+
+
+WORKER = r"""
+import signal, sys
+n = 0
+def h(s, f):
+    global n
+    n += 1
+signal.signal(signal.SIGCONT, h)
+signal.siginterrupt(signal.SIGCONT, False)
+print("ready", flush=True)
+for line in sys.stdin:
+    print(n, flush=True)
+"""
+
+
+@needs_unshare
+def test_stopped_and_continued_as_a_tree_inside(tmp_path):
+    """The worker is pid 1 of its namespace, under unshare: the audit's tree stop reaches it (SIGSTOP
+    from the parent namespace), and it counts one SIGCONT per resume."""
+    marker = f"sandbox-worker-{uuid.uuid4()}"
+    launch = sandbox.launch([sys.executable, "-I", "-c", WORKER, marker], sandbox=True)
+    proc = subprocess.Popen(launch.argv, env=launch.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            bufsize=1, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        (inner,) = [p for p in live_with(marker) if p != proc.pid and stat_fields(p)[1] != str(os.getpid())]
+        tree = ProcessTree(proc.pid, adopts_orphans=True)
+        for resumes in (1, 2, 3):
+            tree.stop()
+            while stat_fields(inner)[0] not in ("T", "t"):  # the stop lands asynchronously
+                pass
+            tree.resume()
+            proc.stdin.write("?\n")
+            proc.stdin.flush()
+            assert int(proc.stdout.readline()) == resumes
+        assert tree.outside_group == set()  # the worker stays in the tool's process group
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        launch.cleanup()
+    assert live_with(marker) == []
