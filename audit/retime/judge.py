@@ -92,16 +92,29 @@ def canonical(value) -> str:
     return json.dumps(value, sort_keys=True, allow_nan=False, default=repr)
 
 
+def settled(config):
+    """A config without what a process measures for itself: keys ending in ``_s`` (seconds, such as
+    spec's cost estimates) differ honestly between the harness's process and a worker's."""
+    if isinstance(config, dict):
+        return {k: settled(v) for k, v in config.items() if not (isinstance(k, str) and k.endswith("_s"))}
+    if isinstance(config, list):
+        return [settled(v) for v in config]
+    return config
+
+
 def header_findings(header: dict, workers: dict, device_mismatch: bool) -> list[dict]:
     """``header-disagrees`` (fail) for each fact the header records about a side (name, config,
-    instrument) that its decoder, asked in its own worker, says otherwise. A config recorded on
-    another device (``--allow-device-mismatch``) may honestly differ there: a warning."""
+    instrument) that its decoder, asked in its own worker, says otherwise. Configs are compared
+    without their measured seconds (``settled``); a config recorded on another device
+    (``--allow-device-mismatch``) may honestly differ there: a warning."""
     out = []
     for role in ROLES:
         ready = getattr(workers.get(role), "ready", None) or {}
-        said = {"name": ready.get("decoder"), "config": ready.get("config"), "instrument": ready.get("instrument") is True}
+        said = {"name": ready.get("decoder"), "config": settled(ready.get("config")),
+                "instrument": ready.get("instrument") is True}
         entry = header[role]
-        recorded = {"name": entry.get("name"), "config": entry.get("config"), "instrument": entry.get("instrument") is True}
+        recorded = {"name": entry.get("name"), "config": settled(entry.get("config")),
+                    "instrument": entry.get("instrument") is True}
         for fact in HEADER_FACTS:
             if fact == "config" and "config" not in entry:
                 continue
