@@ -169,6 +169,10 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
               help="Where to write the result. Default: retime.json beside STREAM.")
 @click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=4, show_default=True, metavar="K",
               help="Fresh prompts to time (at most the stream's own count).")
+@click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
+              help="Fresh prompts of your own (jsonl of {id, text | token_ids}, a regular file), used in file "
+                   "order, each cut to the length of the stream prompt it stands in for. Default: drawn from a "
+                   "built-in source of the stream's kind (random ids, or stdlib snippets for text).")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="New tokens per decode. Default: the stream's N.")
 @click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,
@@ -182,21 +186,29 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--trust-plugin", is_flag=True,
               help="Run a plug-in decoder (package.module:attr) that the stream names: its code runs in a worker.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
-              help="Draw the fresh prompts from seed S (a retime.json's seed repeats its draw). Default: a secret "
-                   "seed drawn for this retime, shown once every leg ran.")
+              help="Draw the fresh prompts (and the interval's resamples) from seed S (a retime.json's seed "
+                   "repeats its draw). Default: a secret seed drawn for this retime, shown once every leg ran.")
 @click.option("--no-sandbox", "no_sandbox", is_flag=True,
               help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
                    "machine offers one; retime.json and the table then warn candidate-not-sandboxed.")
-def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec, device, allow_device_mismatch,
-               trust_plugin, seed, no_sandbox):
-    """Time STREAM's candidate again, against the control, on fresh prompts and the audit's clock.
+@click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True,
+              help="Verified score ceiling S_max (as audit replay's).")
+@click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Verified score saturation kappa (as audit replay's).")
+def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
+               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa):
+    """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:
+    the verified ratio, its interval and score.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
     (python -m harness.worker), started cold; the audit times every request to its answer, ABBA,
-    on K fresh prompts of the stream's lengths drawn from its prompt source with a secret seed
-    (a second look at K more when the first look falls short), and replays every retimed token
-    through its pristine serial path. Fails (ratio-not-reproduced) when the retimed median ratio
-    falls short of the recorded one by more than max(the control's leg noise, 25%).
+    on K fresh prompts of the stream's lengths that no decoder can enumerate (a secret seed; never
+    the stream's own prompts), with a second look at K more when the first falls short, and
+    replays every retimed token through its pristine serial path. The verified figures are the
+    retime's own: per-prompt ratios, their median, a bootstrap interval and the score. The
+    stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
+    above the interval's top by more than the margin. A stream that fails audit replay's file
+    checks is not retimed; a header the decoders contradict fails (header-disagrees).
 
     While one side is timed the other is stopped with every process it started. Around every leg
     the audit measures how long the timed side waited for a CPU and how much CPU other work took;
@@ -208,14 +220,15 @@ def retime_cmd(stream, out_path, prompt_count, max_new_tokens, legs, model_spec,
     file); the candidate's worker runs sandboxed where the machine allows (read-only filesystem, no
     network, its processes dying with it). Details: docs/audit.md.
 
-    Writes retime.json, prints both ratios per prompt and median. Exit 0 reproduced, 1 findings,
-    2 bad input.
+    Writes retime.json, prints both ratios per prompt and median. Exit 0 verified (pass), 1 findings
+    or unverified (no fresh prompts fit), 2 bad input.
     """
     from audit.retime import RetimeOptions, WorkerError, retime  # torch loads only when a command runs
 
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
-                         trust_plugin=trust_plugin, seed=seed, sandbox=not no_sandbox)
+                         trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, sandbox=not no_sandbox,
+                         s_max=s_max, kappa=kappa)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:

@@ -34,6 +34,7 @@ class PromptRun:
     token_ids: list[int]
     rank: object = None  # the prompt record's "rank" as written (runs under torchrun); None if absent
     warmup_ids: list[int] | None = None  # the prompt both sides warmed up on; None if not recorded
+    text: str | None = None  # the prompt's text when the record holds it (a set of text)
     legs: list[dict] = field(default_factory=list)
     summaries: list[dict] = field(default_factory=list)
     # records that belong to this prompt but appear after another prompt's record
@@ -130,7 +131,8 @@ def group_records(records: list[dict]) -> tuple[list[PromptRun], dict | None, li
                 raise BadInput(f"line {lineno}: duplicate prompt id {rec['id']!r} "
                                f"(first at line {prompts[rec['id']].line})")
             current = prompts[rec["id"]] = PromptRun(rec["id"], lineno, list(rec["token_ids"]), rec.get("rank"),
-                                                     rec.get("warmup_ids"))
+                                                     rec.get("warmup_ids"),
+                                                     rec["text"] if isinstance(rec.get("text"), str) else None)
         elif kind in ("leg", "summary"):
             pid = rec["prompt_id"]
             if pid not in prompts:

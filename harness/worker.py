@@ -7,7 +7,10 @@ reach the timing or the other side. Protocol, one JSON object per line:
   start    pin the deterministic configuration, load the model, build the decoder
            (``decoders.get_decoder``, with ``--decoder-args`` / ``--decoder-arg``), run its
            ``prepare()``, then print ``{"ready": true, "decoder": NAME, "config": {...},
-           "device": ...}``; on a setup failure print ``{"error": "..."}`` and exit 2.
+           "instrument": BOOL, "device": ...}``: what the decoder itself says of its name, its
+           config and whether it is an instrument (``harness.timing.is_instrument``), which the
+           audit holds against the stream's header; on a setup failure print ``{"error": "..."}``
+           and exit 2.
   request  stdin ``{"prompt_ids": [...], "max_new_tokens": N}`` -> stdout ``{"tokens": [...]}``,
            written once the decode returned and the device is synchronised; a request that
            fails gets ``{"error": "..."}`` and the worker goes on.
@@ -36,6 +39,7 @@ from core.continues import ContinueCounter
 from core.errors import UserError
 from core.models import load_model
 from decoders import get_decoder, parse_decoder_args
+from harness.timing import is_instrument
 
 
 def reply(channel, obj: dict, continues: ContinueCounter) -> None:
@@ -61,7 +65,7 @@ def serve(channel, model, decoder, continues: ContinueCounter) -> None:
         try:
             request = json.loads(line)
             if "prepare_prompt" in request:
-                if getattr(decoder, "instrument", False) is not True:
+                if not is_instrument(decoder):
                     raise UserError(f"{decoder.name} is not an instrument: it gets no untimed preparation")
                 decoder.prepare_prompt(list(request["prepare_prompt"]), int(request["max_new_tokens"]))
                 reply(channel, {"prepared": True}, continues)
@@ -99,7 +103,7 @@ def main(model_spec, device, decoder_spec, args_json, decoder_args):
         reply(channel, {"error": str(exc)}, continues)
         sys.exit(2)
     reply(channel, {"ready": True, "decoder": decoder.name, "config": decoder.config(),
-                    "device": str(model.device)}, continues)
+                    "instrument": is_instrument(decoder), "device": str(model.device)}, continues)
     serve(channel, model, decoder, continues)
 
 

@@ -5,7 +5,8 @@ report needs the run to be whole (an end record, every prompt timed on the contr
 other role) and the decoder statistics it plots to have the right shapes. Anything wrong is a
 ``UserError`` with one line saying what and where, so nothing is rendered from a partial run.
 
-``audit.json`` is checked against the shape ``audit replay`` writes (schema ``qwen35-exact/audit/1``).
+``audit.json`` is checked against the shape ``audit replay`` writes (schema ``qwen35-exact/audit/1``),
+and ``retime.json`` (optional, ``audit retime``: the verified figures) against its own.
 Whether it belongs to this stream is decided by its ``stream_sha256``, the sha256 of the bytes of
 ``stream.jsonl``; a mismatch is not an error (the report says so prominently instead).
 """
@@ -24,6 +25,8 @@ STREAM_NAME = "stream.jsonl"
 AUDIT_NAME = "audit.json"
 TOKENS_AUDIT_NAME = "audit_tokens.json"  # `audit tokens`; read by reports.tokens
 AUDIT_SCHEMA = "qwen35-exact/audit/1"
+RETIME_NAME = "retime.json"
+RETIME_SCHEMA = "qwen35-exact/retime/2"
 CONTROL_ROLE = "control"
 
 
@@ -42,6 +45,7 @@ class Run:
     integrity: dict  # from read_stream: present / count_ok / sha256_ok
     audit: dict | None = None
     audit_path: Path | None = None
+    retime: dict | None = None  # retime.json: the verified figures, None when absent
     roles: list[str] = field(default_factory=list)  # control first, then others as they appear
 
     @property
@@ -78,7 +82,27 @@ def load_run(run_dir) -> Run:
         run.audit_path = audit_path
         if run.audit_matches:
             check_audit_prompts(run)
+    retime_path = run_dir / RETIME_NAME
+    if retime_path.exists():
+        run.retime = load_retime(retime_path)
     return run
+
+
+def load_retime(path: Path) -> dict:
+    """Parse retime.json and check the fields the report reads; raise UserError on any mismatch."""
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise UserError(f"{path}: not a JSON object")
+    if doc.get("schema") != RETIME_SCHEMA:
+        raise UserError(f"{path}: unknown retime schema {doc.get('schema')!r} (this tool reads {RETIME_SCHEMA})")
+    _need(path, doc, "stream_sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex string")
+    _need(path, doc, "verdict", lambda v: v in ("pass", "fail", "unverified"), "'pass', 'fail' or 'unverified'")
+    _need(path, doc, "claimed", lambda v: isinstance(v, dict), "an object")
+    _opt(path, doc["claimed"], "ratio", _is_num, "a finite number or null", "claimed.")
+    _opt(path, doc, "verified", lambda v: isinstance(v, dict), "an object or null")
+    for key in ("ratio", "ci_low", "ci_high", "score"):
+        _opt(path, doc.get("verified") or {}, key, _is_num, "a finite number or null", "verified.")
+    return doc
 
 
 def run_from_records(records: list[dict], integrity: dict, stream_sha256: str, run_dir: Path,

@@ -131,8 +131,8 @@ def summary_table(summary: dict) -> str:
     med_text += f" ({'; '.join(extra)})"
     if audited:
         params = ", ".join(f"{k}={v}" for k, v in audit["score_params"].items())
-        score = (f"**{audit['score']:.3f}** (audit verdict: **{audit['verdict'].upper()}**"
-                 f"{'; ' + params if params else ''})")
+        score = (f"**{audit['score']:.3f}** (claimed, from in-process timing; audit verdict: "
+                 f"**{audit['verdict'].upper()}**{'; ' + params if params else ''})")
         n_div = sum(p["verdict"] == "diverged" for p in summary["prompts"])
         n_unchecked = sum(p["verdict"] == "not replayed" for p in summary["prompts"])
         if audit["exact"]:
@@ -155,6 +155,7 @@ def summary_table(summary: dict) -> str:
         ["Legs", f"{summary['legs_per_side']} per side per prompt, ABBA ({summary['leg_records']} timed decodes)"],
         ["Median ratio", med_text],
         ["Score", score],
+        ["Verified (audit retime)", verified_text(summary["retime"])],
         ["Exact", exact],
         ["First divergence", describe_divergence(div) + (f" — {div['reason']}" if div.get("reason") else "")
          if div else ("unknown (not audited)" if not audited else "none" if audit["exact"]
@@ -278,6 +279,22 @@ def time_split_section(summary: dict, figures: dict) -> str:
             "rounds.\n\n" + table(["prompt", "decoder"] + phases + ["total"], rows))
 
 
+def verified_text(retime: dict) -> str:
+    """The retime's verified ratio, interval and score (the figures to quote), or why there are none."""
+    status = retime["status"]
+    if status == "not retimed":
+        return "— (not retimed: `audit retime` measures the verified figures)"
+    if status == "mismatch":
+        return "— (retime.json is for another stream)"
+    if retime["verified_ratio"] is None:
+        return f"— ({status.upper()}: {retime.get('reason') or 'nothing verified'})"
+    ci = ("" if retime["ci_low"] is None else f", 95% interval [{retime['ci_low']:.3f}, {retime['ci_high']:.3f}]")
+    failing = f"; failing: {', '.join(retime['failing'])}" if retime["failing"] else ""
+    return (f"**{ratio(retime['verified_ratio'])}**{ci}, score **{retime['verified_score']:.3f}** "
+            f"(retime verdict: **{status.upper()}**{failing}; claimed {ratio(retime['claimed_ratio'])}, "
+            f"{retime['prompts']} fresh prompts)")
+
+
 def audit_section(summary: dict) -> str:
     audit = summary["audit"]
     if audit["status"] == "not audited":
@@ -295,7 +312,8 @@ def audit_section(summary: dict) -> str:
             ["Verdict", f"**{audit['verdict'].upper()}**"],
             ["Exact", "yes" if audit["exact"] else "**NO**"],
             ["Consistent", "yes" if audit["consistent"] else "**NO**"],
-            ["Score", f"{audit['score']:.4f} ({config_text(audit['score_params'])})"],
+            ["Score", f"{audit['score']:.4f} claimed, from in-process timing ({config_text(audit['score_params'])})"],
+            ["Verified (audit retime)", verified_text(summary["retime"])],
             ["Median ratio (audit)", ratio(audit["median_ratio"])],
             ["Replay", replay_text(replay)],
             ["Candidate", f"{audit.get('candidate')} (instrumented: {'yes' if audit.get('instrument') else 'no'})"],

@@ -54,6 +54,7 @@ def summarize_run(run: Run) -> dict:
         "harness_median_ratio": run.end.get("median_ratio"),
         "ms_per_token_median": {r: _median([p["ms_per_token"][r] for p in prompts]) for r in run.roles},
         "audit": audit,
+        "retime": retime_section(run),
         "first_divergence": first_divergence(prompts),
         "prompts": prompts,
         "acceptance": {r: acceptance(run, r) for r in others},
@@ -208,6 +209,21 @@ def audit_section(run: Run) -> dict:
         "findings": list(a["findings"]),
         "inexact_prompts": [p["id"] for p in a["prompts"] if not p["exact"]],
     }
+
+
+def retime_section(run: Run) -> dict:
+    """The verified figures of ``audit retime`` beside the claimed ones, for this very stream only."""
+    if run.retime is None:
+        return {"status": "not retimed"}
+    r = run.retime
+    if r["stream_sha256"] != run.stream_sha256:
+        return {"status": "mismatch", "stream_sha256": r["stream_sha256"]}
+    v = r.get("verified") or {}
+    return {"status": r["verdict"], "verified_ratio": v.get("ratio"), "ci_low": v.get("ci_low"),
+            "ci_high": v.get("ci_high"), "verified_score": v.get("score"), "prompts": v.get("prompts"),
+            "claimed_ratio": r["claimed"].get("ratio"), "fresh": r.get("fresh_prompts"),
+            "reason": r.get("unverified_reason"),
+            "failing": [f.get("check") for f in r.get("findings") or [] if f.get("severity") == "fail"]}
 
 
 def first_divergence(prompts: list[dict]) -> dict | None:

@@ -3,9 +3,12 @@ retime_decoders:NAME``; a subprocess needs ``PYTHONPATH=tests``): ``Precomputed`
 ``PrecomputedUneven`` answer the built-in prompts from a table made in ``prepare()``;
 ``LoadsTheControl`` and ``LoadsTheControlFromOutside`` leave processes that burn the machine while
 the control is timed, in the worker's tree but out of its process group, or out of the audit's
-reach; ``StopsTheControlFromOutside`` leaves one that pauses the control's worker instead."""
+reach; ``StopsTheControlFromOutside`` leaves one that pauses the control's worker instead;
+``PrecomputedSpace`` decodes in ``prepare()`` every prompt of the small space a custom prompt
+file's tokens span; ``SerialSpeed`` is serial decoding made slower still, for forged claims."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -280,3 +283,51 @@ class StopsTheControlFromOutside(LoadsTheControlFromOutside):
 
     def config(self) -> dict:
         return {"pids": self.pids, "lifetime": self.lifetime}
+
+
+class PrecomputedSpace(Precomputed):
+    """Exact, and instant on every prompt of a small space it enumerates in ``prepare()``: every
+    sequence, of each length the prompt file ``prompts`` holds, over the token ids its prompts use
+    (a space of at most ``max_space`` prompts). A retime that drew its fresh prompts from the
+    stream's own prompt tokens would only ever send it prompts of that space."""
+
+    name = "precomputed-space"
+
+    def __init__(self, prompts: str = "", max_new_tokens: int = 64, answer_s: float = 0.004, max_space: int = 64):
+        super().__init__(max_new_tokens, answer_s)
+        self.prompts, self.max_space = prompts, max_space
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+        self.eos = tuple(model.eos_token_ids)
+        held, _ = load_prompts(self.prompts, model)
+        alphabet = sorted({t for p in held for t in p.token_ids})
+        for length in sorted({len(p.token_ids) for p in held}):
+            if len(alphabet) ** length > self.max_space:
+                raise ValueError(f"a space of {len(alphabet)}^{length} prompts is too large to precompute")
+            for ids in itertools.product(alphabet, repeat=length):
+                self.table[ids] = self.inner.decode(list(ids), self.max_new_tokens).tokens
+
+    def config(self) -> dict:
+        return {**super().config(), "prompts": self.prompts, "max_space": self.max_space}
+
+
+class SerialSpeed(SerialDecoder):
+    """Serial decoding, and then idle for ``slow`` times as long again (by default half serial's
+    speed): an exact decoder no faster than the control, slow enough that no burst of a loaded
+    machine's noise lifts its retimed interval near the forged claims of the tests."""
+
+    name = "serial-speed"
+
+    def __init__(self, slow: float = 1.0):
+        super().__init__()
+        self.slow = slow
+
+    def config(self) -> dict:
+        return {"slow": self.slow}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        t0 = time.perf_counter()
+        result = super().decode(prompt_ids, max_new_tokens)
+        time.sleep(self.slow * (time.perf_counter() - t0))
+        return result

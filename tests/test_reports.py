@@ -357,6 +357,47 @@ def test_audited_run_takes_score_and_verdict_from_audit(tiny_run):
         assert row[-1] == "yes"
 
 
+def make_retime(run_dir: Path, *, verdict="pass", sha=None, verified=None) -> dict:
+    """A retime.json of the shape `audit retime` writes (the fields the report reads)."""
+    doc = {"schema": "qwen35-exact/retime/2", "kind": "retime", "stream_sha256": sha or sha256_of(run_dir / "stream.jsonl"),
+           "verdict": verdict, "claimed": {"ratio": 1.5, "prompts": 3}, "fresh_prompts": "scripted",
+           "verified": verified, "unverified_reason": None if verified else "no fresh prompts: none fit",
+           "findings": [] if verdict != "fail" else [{"check": "claim-not-reproduced", "severity": "fail",
+                                                       "prompt_id": None, "message": "m"}]}
+    write_json_atomic(run_dir / "retime.json", doc)
+    return doc
+
+
+def test_claimed_and_verified_figures_side_by_side(tiny_run):
+    """With a retime.json of this stream the summary shows the verified ratio, interval and score
+    beside the audit's claimed score; without one it says how to get them; another stream's or an
+    unverified retime's figures are not shown as this run's."""
+    make_audit(tiny_run, score=0.4321)
+    render_run(tiny_run)
+    rows = summary_rows((tiny_run / "report.md").read_text())
+    assert "claimed" in rows["Score"] and rows["Verified (audit retime)"].startswith("— (not retimed")
+    make_retime(tiny_run, verified={"ratio": 1.234, "ci_low": 1.1, "ci_high": 1.3, "score": 0.2, "prompts": 4})
+    summary = render_run(tiny_run)
+    rows = summary_rows((tiny_run / "report.md").read_text())
+    assert summary["retime"]["verified_ratio"] == 1.234 and summary["retime"]["claimed_ratio"] == 1.5
+    assert rows["Verified (audit retime)"].startswith("**1.234")
+    assert "[1.100, 1.300]" in rows["Verified (audit retime)"] and "**0.200**" in rows["Verified (audit retime)"]
+    assert "PASS" in rows["Verified (audit retime)"] and rows["Score"].startswith("**0.432**")
+    make_retime(tiny_run, verdict="fail", verified={"ratio": 0.9, "ci_low": 0.8, "ci_high": 1.0, "score": 0.0,
+                                                    "prompts": 4})
+    render_run(tiny_run)
+    rows = summary_rows((tiny_run / "report.md").read_text())
+    assert "FAIL" in rows["Verified (audit retime)"] and "claim-not-reproduced" in rows["Verified (audit retime)"]
+    make_retime(tiny_run, verdict="unverified")
+    render_run(tiny_run)
+    assert "UNVERIFIED" in summary_rows((tiny_run / "report.md").read_text())["Verified (audit retime)"]
+    make_retime(tiny_run, sha="0" * 64, verified={"ratio": 9.0, "ci_low": 9.0, "ci_high": 9.0, "score": 0.9,
+                                                  "prompts": 4})
+    render_run(tiny_run)
+    rows = summary_rows((tiny_run / "report.md").read_text())
+    assert "another stream" in rows["Verified (audit retime)"] and "9.0" not in rows["Verified (audit retime)"]
+
+
 def test_audit_of_another_stream_is_not_shown_as_this_runs(tiny_run):
     make_audit(tiny_run, sha="0" * 64, score=0.99)
     summary = render_run(tiny_run)

@@ -1,11 +1,13 @@
-"""``audit retime`` on tiny (CPU pinned): honest streams reproduce; a stream whose candidate legs
-were shortened and resealed, and a decoder that precomputes the built-in prompt set in
-``prepare()``, both pass ``audit replay`` and are caught by the retime (``ratio-not-reproduced``).
+"""``audit retime`` on tiny (CPU pinned): honest streams are verified (their own ratio, interval
+and score); a stream whose candidate legs were shortened and resealed, and a decoder that
+precomputes the built-in prompt set in ``prepare()``, both pass ``audit replay`` and are caught by
+the retime (``claim-not-reproduced``). The scripted-worker tests run on a fake clock.
 
 Every retime starts two worker processes (``python -m harness.worker``); tests/ goes on their
 PYTHONPATH so that they can import the plug-in decoder.
 """
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,7 +55,12 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
         run_harness(tmp_path / decoder, decoder, limit=prompts, n=SPEC_N, legs=LEGS)
     result, doc = run_retime(stream, "--prompts", str(prompts))
     assert result.exit_code == 0, result.output
-    assert doc["verdict"] == "pass" and not findings(doc, "ratio-not-reproduced")
+    assert doc["verdict"] == "pass" and not findings(doc, "claim-not-reproduced")
+    v = doc["verified"]
+    assert v["ci_low"] <= v["ratio"] <= v["ci_high"] and v["prompts"] == len(doc["prompts"])
+    assert v["score"] == pytest.approx(0.95 * (1 - math.exp(-(v["ratio"] - 1) / 2)) if v["ratio"] > 1 else 0.0)
+    assert "prompts' ratios, with replacement" in v["resampled"]
+    assert doc["claimed"]["ratio"] > 0 and not findings(doc, "header-disagrees")
     assert doc["candidate"]["name"] == decoder and doc["kind"] == "retime"
     looks = 2 if doc["second_look"] else 1
     assert len(doc["prompts"]) == looks * prompts and all(e["exact"] for e in doc["prompts"])
@@ -71,25 +78,27 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     for e in doc["prompts"]:  # fresh prompts: none of the stream's, each as long as the one it mirrors
         assert tuple(e["token_ids"]) not in held
         assert e["tokens"] == len(by_id[e["mirrors"]]["token_ids"])
-    assert "resampled from the stream's own prompt tokens" in doc["fresh_prompts"]  # tiny's set: dev
-    assert "recorded" in result.stdout and "retimed" in result.stdout and "retime took" in result.stdout
+    # tiny's set, dev, is text: fresh prompts are stdlib snippets, never the stream's own tokens
+    assert doc["fresh_source"]["kind"] == "snippets" and "dev split" in doc["fresh_prompts"]
+    assert "verified median ratio" in result.stdout and "claimed median ratio" in result.stdout
+    assert "retime took" in result.stdout
 
 
 def test_the_draw_comes_from_a_secret_seed_shown_at_the_end(fast_serial_stream, tmp_path):
     """Each retime draws its own seed, which no worker is sent and which is printed only with the
     result: a decoder cannot derive the fresh prompts from the stream file. ``--seed`` repeats a
     retime's draw; every draw (a prompt, its spare, its warm-up) has a generator of its own."""
-    from audit.retime import fresh_prompts
+    from audit.retime.fresh import fresh_prompts
     from audit.stream import load_run
     from core.models import load_model
 
     run, model = load_run(fast_serial_stream), load_model("tiny", "cpu")
 
-    def ids(looks):
-        return [(p.token_ids, p.spare.token_ids, p.warmup_ids) for look in looks[:2] for p in look]
+    def ids(draw):
+        return [(p.token_ids, p.spare.token_ids, p.warmup_ids) for look in (draw.first, draw.second) for p in look]
     assert ids(fresh_prompts(run, model, 2, 7)) == ids(fresh_prompts(run, model, 2, 7)) != \
         ids(fresh_prompts(run, model, 2, 8))
-    first, _, _ = fresh_prompts(run, model, 2, 7)
+    first = fresh_prompts(run, model, 2, 7).first
     assert all(p.warmup_ids != p.token_ids and len(p.warmup_ids) == len(p.token_ids) for p in first)
 
     docs, outputs = [], []
@@ -103,6 +112,10 @@ def test_the_draw_comes_from_a_secret_seed_shown_at_the_end(fast_serial_stream, 
         outputs.append(result.stdout)
     seeds = [d["seed"] for d in docs]
     assert seeds[0] != seeds[1] and seeds[2] == seeds[0]
+    # the interval's resamples are the seed's too: a rerun with --seed S repeats them on the same ratios
+    from audit.retime.judge import interval
+    ratios = [e["ratio"] for e in docs[0]["prompts"]] * 3
+    assert interval(ratios + [1.0, 2.0], seeds[0]) == interval(ratios + [1.0, 2.0], seeds[0])
 
     def drawn(seed):  # every prompt a retime with this seed may time: both looks and their spares
         return {tuple(t) for t, spare, _ in ids(fresh_prompts(run, model, 1, seed)) for t in (t, spare)}
@@ -121,9 +134,9 @@ def test_shortened_candidate_legs_pass_replay_but_not_retime(fast_serial_stream,
     result, doc = run_retime(forged)
     assert result.exit_code == 1, result.output
     assert doc["second_look"] is not None and len(doc["prompts"]) == 2 * PROMPTS
-    (f,) = findings(doc, "ratio-not-reproduced")
-    assert f["retimed"] < f["recorded"] * (1 - f["tolerance"])
-    assert "ratio-not-reproduced" in result.stdout
+    (f,) = findings(doc, "claim-not-reproduced")
+    assert f["claimed"] > f["ci_high"] * (1 + f["margin"]) and doc["verified"]["score"] == 0
+    assert "claim-not-reproduced" in result.stdout
 
 
 def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
@@ -138,8 +151,8 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
 
     result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
-    assert findings(doc, "ratio-not-reproduced") and all(e["exact"] for e in doc["prompts"])
-    assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
+    assert findings(doc, "claim-not-reproduced") and all(e["exact"] for e in doc["prompts"])
+    assert doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"] and doc["verified"]["score"] == 0
 
 
 def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_path):
@@ -149,11 +162,11 @@ def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_pat
     stream = run_harness(tmp_path / "uneven", "retime_decoders:PrecomputedUneven", limit=PROMPTS, n=N, legs=LEGS)
     result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
-    assert findings(doc, "ratio-not-reproduced") and all(e["exact"] for e in doc["prompts"])
+    assert findings(doc, "claim-not-reproduced") and all(e["exact"] for e in doc["prompts"])
     assert doc["second_look"]["first_prompts"] == doc["second_look"]["prompts"] == PROMPTS
     assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(2 * PROMPTS)]
     assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(2 * PROMPTS)]
-    assert doc["retimed_median_ratio"] < 2 < doc["recorded_median_ratio"]
+    assert doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"]
     assert "measured again: fresh-0" in result.stdout
 
 
@@ -209,7 +222,7 @@ def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(
     beside OTHERS_GAP more cores of other work, is measured again on its spare, and the retime
     fails (``load-against-control``) exactly when most judged prompts are still so loaded. (The
     spinners miss some legs, so how many prompts they load varies from run to run.)"""
-    from audit.retime import OTHERS_GAP, WAIT_GAP
+    from audit.retime.load import OTHERS_GAP, WAIT_GAP
     from core.schema import LEG_SPREAD_LIMIT
 
     def loaded(e):
@@ -280,9 +293,9 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
     too little CPU to be seen, so the retime fails (``gpu-shared``). This runs on the CPU with a
     stand-in for nvidia-smi that names the audit itself and, the second time, pid 1 as well."""
     import audit.processes
-    import audit.retime
+    import audit.retime.command
 
-    monkeypatch.setattr(audit.retime, "watches_gpu", lambda device: True)
+    monkeypatch.setattr(audit.retime.command, "watches_gpu", lambda device: True)
     listing = [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", f"{os.getpid()}, audit"]
     monkeypatch.setattr(audit.processes, "GPU_QUERY", listing)
     _, doc = run_retime(fast_serial_stream, "--prompts", "1")
@@ -308,7 +321,7 @@ def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
 
 
 def test_recorded_sides_and_their_arguments():
-    from audit.retime import recorded_sides
+    from audit.retime.workers import recorded_sides, worker_command
     from audit.stream import BadInput
 
     header = {"control": {"name": "serial"}, "candidate": {"name": "spec", "spec": "spec", "args": {"depth": 3}},
@@ -321,7 +334,7 @@ def test_recorded_sides_and_their_arguments():
     header["command"] += ["--decoder-arg=max_depth=4"]
     candidate = recorded_sides(header, trust_plugins=False)[1]
     assert candidate.raw_args == ("depth=2", "max_depth=4")
-    assert candidate.command("tiny", "cpu")[-2:] == ["--decoder-arg=depth=2", "--decoder-arg=max_depth=4"]
+    assert worker_command(candidate, "tiny", "cpu")[-2:] == ["--decoder-arg=depth=2", "--decoder-arg=max_depth=4"]
     with pytest.raises(BadInput, match="--trust-plugin"):
         recorded_sides({**header, "candidate": {"name": "x", "spec": "os:system"}}, trust_plugins=False)
 
@@ -333,7 +346,8 @@ def test_an_instrument_is_retimed_with_its_untimed_preparation(tmp_path):
     result, doc = run_retime(stream, "--prompts", "2")
     assert result.exit_code == 0, result.output
     assert doc["candidate"]["instrument"] is True and "instrument: never scored" in result.stdout
-    assert all(e["exact"] for e in doc["prompts"]) and not findings(doc, "ratio-not-reproduced")
+    assert all(e["exact"] for e in doc["prompts"]) and not findings(doc, "claim-not-reproduced")
+    assert doc["verified"]["ratio"] is not None and doc["verified"]["score"] == 0  # never scored
 
 
 def test_the_worker_refuses_to_prepare_a_decoder_that_is_not_an_instrument():
@@ -345,14 +359,15 @@ def test_the_worker_refuses_to_prepare_a_decoder_that_is_not_an_instrument():
                           input=json.dumps({"prepare_prompt": [1, 2, 3], "max_new_tokens": 4}) + "\n",
                           capture_output=True, text=True, timeout=300)
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert lines[0]["ready"] is True
+    assert lines[0]["ready"] is True and lines[0]["instrument"] is False  # the decoder's own word
+    assert lines[0]["decoder"] == "fast-serial" and isinstance(lines[0]["config"], dict)
     assert "not an instrument" in lines[1]["error"]
 
 
-@pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids"),
-                                         ("builtin:stdlib-heldout", "snippets of the heldout split")])
+@pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids over the whole vocabulary"),
+                                         ("builtin:stdlib-heldout", "snippets of the stdlib corpus's heldout split")])
 def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path, source, how):
-    from audit.retime import fresh_prompts
+    from audit.retime.fresh import fresh_prompts
     from audit.stream import load_run
     from core.models import load_model
     from core.prompts import corpus_prompts
@@ -362,7 +377,8 @@ def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path,
     records[0]["prompts"]["source"] = source
     copy.write_text("".join(json.dumps(r) + "\n" for r in records))
     run, model = load_run(copy), load_model("tiny", "cpu")
-    first, second, said = fresh_prompts(run, model, 3, 12345)
+    draw = fresh_prompts(run, model, 3, 12345)
+    first, second, said = draw.first, draw.second, draw.source["how"]
     assert how in said
     lengths = {p.id: len(p.token_ids) for p in run.prompts}
     assert [p.id for p in first] == ["fresh-0", "fresh-1", "fresh-2"]
@@ -380,16 +396,26 @@ def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path,
         assert not any(ids[:len(p.token_ids)] == p.token_ids for p in fresh + spares for ids in own)
 
 
+class FakeClock:
+    """The audit's clock for scripted workers: it moves only when a worker answers."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
 class ScriptedWorker:
-    """A worker whose answer to each timed request takes the next of ``seconds`` (warm-ups take
-    none of them): what a burst of the machine's noise does to one leg."""
+    """A worker whose answer to each timed request takes the next of ``seconds`` on the fake clock
+    (warm-ups take none of them): what a burst of the machine's noise does to one leg."""
 
     tree = None  # no processes to stop or to measure
 
-    def __init__(self, seconds: list[float]):
+    def __init__(self, seconds: list[float], clock: FakeClock):
         from core.continues import ContinueCounter
 
-        self.seconds, self.timed = list(seconds), []
+        self.seconds, self.timed, self.clock = list(seconds), [], clock
         self.audit_continues = ContinueCounter()  # not installed: nothing stops this test's process
 
     def pause(self): pass
@@ -400,19 +426,42 @@ class ScriptedWorker:
         self.prompt = list(prompt_ids)
 
     def tokens(self):
-        import time
         if len(self.prompt) > 4:  # the warm-up prompts below are 4 ids long
-            time.sleep(self.seconds.pop(0))
+            self.clock.t += self.seconds.pop(0)
             self.timed.append(self.prompt)
         return [1, 2]
 
 
+def scripted(control: list[float], candidate: list[float]):
+    """A Measurement of two scripted workers on one fake clock (N=2, 2 legs, warm-ups of 2 tokens)."""
+    from audit.retime.measure import Measurement
+
+    clock = FakeClock()
+    workers = {"control": ScriptedWorker(control, clock), "candidate": ScriptedWorker(candidate, clock)}
+    return Measurement(workers, max_new_tokens=2, legs=2, warmup_tokens=2, clock=clock), workers
+
+
+def scripted_outcome(ran, timed, findings, remeasured, second_look=None):
+    from audit.retime.document import Outcome
+    from audit.retime.judge import verified_figures
+    from audit.stream import Run
+
+    run = Run(Path("stream.jsonl"), {"candidate": {"name": "c"}, "control": {"name": "s"}, "model": {"name": "m"}},
+              [], None, {})
+    return Outcome(run=run, sha256="0" * 64, seed=0, source={"kind": "scripted", "how": "scripted"},
+                   verdict="fail" if findings else "pass", findings=findings,
+                   verified=verified_figures(timed, 0, bool(findings), 0.95, 2.0),
+                   claimed={"ratio": 2.0, "per_prompt": {"p0": 2.0, "p1": 2.0}}, max_new_tokens=2, legs=2,
+                   seconds=0.1, instrument=False, fresh=ran, timed=timed, exact={p.id: True for p in timed},
+                   remeasured=remeasured, second_look=second_look)
+
+
 def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
     """The first prompt's candidate legs differ by 4x: its spare is timed in its place and the
-    first measurement is reported, not counted; the steady second prompt is timed once. (Steady
-    legs of 40 ms stay within the 25% spread limit even when a busy machine oversleeps by 10 ms.)"""
-    from audit.retime import FreshPrompt, Measured, build_document, render_table, time_fresh
-    from audit.stream import Run
+    first measurement is reported, not counted; the steady second prompt is timed once."""
+    from audit.retime.document import build_document, render_table
+    from audit.retime.fresh import FreshPrompt
+    from audit.retime.measure import Measured, time_fresh
 
     def prompt(i, again=False):
         return FreshPrompt(f"fresh-{i}" + "-again" * again, [100 * again + 10 * i + 5 + j for j in range(6)],
@@ -421,73 +470,72 @@ def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
     fresh = [prompt(0), prompt(1)]
     for i, fp in enumerate(fresh):
         fp.spare = prompt(i, again=True)
-    workers = {"control": ScriptedWorker([0.08] * 6), "candidate": ScriptedWorker([0.04, 0.16, 0.04, 0.04, 0.04, 0.04])}
+    m, workers = scripted([0.08] * 6, [0.04, 0.16, 0.04, 0.04, 0.04, 0.04])
     out = Measured()
-    time_fresh(workers, fresh, 2, 2, 2, out)
+    time_fresh(m, fresh, out)
     ran, remeasured = out.ran, out.remeasured
     assert [fp.id for fp, _ in ran] == ["fresh-0-again", "fresh-1"]
     assert [p.id for _, p in ran] == ["fresh-0-again", "fresh-1"]
     assert workers["candidate"].timed == [fresh[0].token_ids] * 2 + [fresh[0].spare.token_ids] * 2 + [fresh[1].token_ids] * 2
     assert len(remeasured) == 1 and remeasured[0]["id"] == "fresh-0" and remeasured[0]["replaced_by"] == "fresh-0-again"
-    assert remeasured[0]["leg_spread"]["candidate"] > 1.0
+    assert remeasured[0]["leg_spread"]["candidate"] == pytest.approx(3.0)
+    assert [r["wall_s"] for r in ran[1][1].legs] == pytest.approx([0.08, 0.04, 0.04, 0.08])  # the clock's, exactly
     # the document lists the replaced measurement apart from the prompts whose ratios count
-    run = Run(Path("stream.jsonl"), {"candidate": {"name": "c"}, "control": {"name": "s"}, "model": {"name": "m"}},
-              [], None, {})
-    recorded = ({"p0": {"ratio": 2.0}, "p1": {"ratio": 2.0}}, 2.0)
-    doc = build_document(run, "0" * 64, 0, "scripted", [fp for fp, _ in ran], [p for _, p in ran], [], recorded,
-                         2, 2, 0.1, {"fresh-0-again": True, "fresh-1": True}, remeasured)
+    doc = build_document(scripted_outcome([fp for fp, _ in ran], [p for _, p in ran], [], remeasured))
     assert [e["id"] for e in doc["prompts"]] == ["fresh-0-again", "fresh-1"]
     assert [e["id"] for e in doc["remeasured"]] == ["fresh-0"]
+    assert doc["verified"]["ratio"] == pytest.approx(2.0) and doc["claimed"]["ratio"] == 2.0
     assert "measured again: fresh-0 (legs unstable (" in render_table(doc)
 
 
 def test_a_spare_is_timed_at_most_once():
     """A spare whose legs are unstable too stands, warned about by the spread check: a prompt is
     measured at most twice, so a retime always ends."""
-    from audit.retime import FreshPrompt, Measured, time_fresh
+    from audit.retime.fresh import FreshPrompt
+    from audit.retime.measure import Measured, time_fresh
 
     fp = FreshPrompt("fresh-0", list(range(5, 11)), [1, 2, 3, 4], "p0",
                      spare=FreshPrompt("fresh-0-again", list(range(20, 26)), [1, 2, 3, 4], "p0"))
-    workers = {"control": ScriptedWorker([0.01, 0.04] * 2), "candidate": ScriptedWorker([0.01] * 4)}
+    m, _ = scripted([0.01, 0.04] * 2, [0.01] * 4)
     out = Measured()
-    time_fresh(workers, [fp], 2, 2, 2, out)
+    time_fresh(m, [fp], out)
     assert [f.id for f, _ in out.ran] == ["fresh-0-again"] and len(out.remeasured) == 1
 
 
 @pytest.mark.parametrize("first, second, looks_again, passes", [
-    (0.02, None, False, True),  # the first look reproduces the claim: judged on it alone
-    (0.06, 0.02, True, True),  # noise sank the first look: the second lifts the median of all four
+    (0.02, None, False, True),  # the first look holds the claim: judged on it alone
+    (0.06, 0.02, True, True),  # noise sank the first look: the second lifts the interval of all four
     (0.06, 0.06, True, False),  # a decoder slower than its claim is as slow on the second look
 ])
 def test_a_first_look_that_falls_short_gets_a_second(first, second, looks_again, passes):
-    """Recorded ratio 2.0; the control takes 60 ms a leg; the candidate ``first`` seconds a leg on
-    the first look's two prompts and ``second`` on the second look's (ratios 1 and 3, far enough
-    from the 1.5 that passes for a sleep's overshoot on a busy machine not to matter)."""
-    from audit.retime import FreshPrompt, Measured, build_document, judge, render_table, time_looks
-    from audit.stream import Run
+    """Claimed ratio 2.0; the control takes 60 ms a leg; the candidate ``first`` seconds a leg on
+    the first look's two prompts and ``second`` on the second look's (ratios 1 and 3)."""
+    from audit.retime.document import build_document, render_table
+    from audit.retime.fresh import FreshPrompt
+    from audit.retime.judge import claim_findings, falls_short, prompt_ratios, interval
+    from audit.retime.measure import Measured, time_looks
 
     looks = tuple([FreshPrompt(f"fresh-{2 * look + i}", [10 * (2 * look + i) + 5 + j for j in range(6)],
                                [1, 2, 3, 4], f"p{i}") for i in range(2)] for look in range(2))
     candidate = [first] * 4 + ([second] * 4 if second else [])
-    workers = {"control": ScriptedWorker([0.06] * 8), "candidate": ScriptedWorker(candidate)}
+    m, workers = scripted([0.06] * 8, candidate)
     out = Measured()
-    time_looks(workers, looks, [], 2.0, 2, 2, 2, out)
+    time_looks(m, looks, out, falls_short(2.0, seed=0))
     timed = [fp.id for fp, _ in out.ran]
     assert timed == ["fresh-0", "fresh-1"] + (["fresh-2", "fresh-3"] if looks_again else [])
     assert len(workers["candidate"].timed) == 2 * len(timed)  # the second look only when taken
     if looks_again:
         assert out.second_look["first_prompts"] == 2 and out.second_look["prompts"] == 2
-        assert out.second_look["first_median_ratio"] == pytest.approx(1.0, rel=0.2)
+        assert out.second_look["first_median_ratio"] == pytest.approx(1.0)
     else:
         assert out.second_look is None
-    findings = judge([], 2.0, out.timed)
-    assert (findings == []) == passes
-    run = Run(Path("stream.jsonl"), {"candidate": {"name": "c"}, "control": {"name": "s"}, "model": {"name": "m"}},
-              [], None, {})
-    recorded = ({"p0": {"ratio": 2.0}, "p1": {"ratio": 2.0}}, 2.0)
-    doc = build_document(run, "0" * 64, 0, "scripted", [fp for fp, _ in out.ran], out.timed, findings, recorded,
-                         2, 2, 0.1, dict.fromkeys(timed, True), out.remeasured, out.second_look)
+    low, high, _ = interval(prompt_ratios(out.timed), 0)
+    found = claim_findings(2.0, low, high)
+    assert (found == []) == passes
+    doc = build_document(scripted_outcome([fp for fp, _ in out.ran], out.timed, found, out.remeasured,
+                                          out.second_look))
     assert doc["second_look"] == out.second_look and len(doc["prompts"]) == len(timed)
+    assert (doc["verified"]["score"] > 0) == passes
     assert ("second look: the first 2 fresh prompts' median" in render_table(doc)) == looks_again
 
 

@@ -1,0 +1,207 @@
+"""``audit retime STREAM``: the whole retime, from the stream to retime.json."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.continues import ContinueCounter
+
+from audit import checks
+from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device, file_findings, load_replay_model,
+                            log, model_spec_from_header, pin_replay_environment, replay_device_json)
+from audit.processes import GpuWatch, set_subreaper, tree_control
+from audit.replay import replay_run
+from audit.report import divergence_findings, write_document
+from audit.retime.judge import (claim_findings, falls_short, gpu_findings, header_findings, process_findings,
+                                 stop_findings, verified_figures)
+from audit.retime.document import Outcome, build_document, gpu_document, render_table
+from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
+from audit.retime.load import load_findings
+from audit.retime.measure import Measured, Measurement, PerfClock, Progress, time_looks
+from audit.retime.provenance import control_code, control_code_findings, sandbox_findings
+from audit.retime.workers import WorkerError, recorded_sides, start_workers
+from audit.stream import BadInput, Run, load_run, resolve_stream_path
+
+# a retime's secret seed: any integer of this many bits (what --seed takes back)
+SEED_BITS = 63
+
+
+@dataclass(frozen=True)
+class RetimeOptions:
+    """Every ``audit retime`` option, named once."""
+
+    stream: Path
+    out: Path | None = None
+    prompts: int = 4
+    max_new_tokens: int | None = None
+    legs: int = 2
+    model: str | None = None
+    device: str | None = None
+    allow_device_mismatch: bool = False
+    trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
+    sandbox: bool = True  # the candidate's worker in this machine's sandbox (audit.sandbox), where it has one
+    seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
+    fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
+    s_max: float = 0.95
+    kappa: float = 2.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every step of one retime shares once the stream is read."""
+
+    opts: RetimeOptions
+    run: Run
+    path: Path
+    out_path: Path
+    sha256: str
+    seed: int
+    device: str
+    model_spec: str
+    max_new_tokens: int
+    warmup_tokens: int
+    claimed: dict
+    started: float
+
+
+def retime(opts: RetimeOptions) -> int:
+    """The whole retime; returns the exit code. Writes retime.json once, at the end."""
+    started = time.perf_counter()
+    pin_replay_environment()
+    path = resolve_stream_path(opts.stream)
+    out_path = check_out_path(opts.out or path.parent / "retime.json", path)
+    run = load_run(path)  # a malformed stream is bad input, as for audit replay
+    sides = recorded_sides(run.header, opts.trust_plugin)
+    # drawn here and shown only once every leg ran: a decoder could read the stream file, a seed
+    # derived from it, and whatever the audit has printed to a file, but not this process's memory
+    seed = opts.seed if opts.seed is not None else secrets.randbits(SEED_BITS)
+    dev = choose_device(opts.device, run.header["device"])
+    findings = checks.check_devices(run.header, [replay_device_json(dev)], opts.allow_device_mismatch)
+    model = load_replay_model(run, opts.model, dev)
+    mismatch = checks.check_model_identity(run.header["model"], model.identity)
+    if mismatch:
+        raise BadInput(f"{mismatch[0]['message']}; retime with the stream's own model (--model)")
+    n = opts.max_new_tokens or run.max_new_tokens
+    warmup = run.header.get("warmup_tokens")
+    per_prompt, claimed = checks.recompute_ratios(run.prompts)
+    ctx = Context(opts, run, path, out_path, hashlib.sha256(path.read_bytes()).hexdigest(), seed, dev,
+                  opts.model or model_spec_from_header(run.header), n,
+                  min(warmup, n) if checks.is_int(warmup) and warmup >= 0 else min(8, n),
+                  {"ratio": claimed, "per_prompt": {k: v["ratio"] for k, v in per_prompt.items()}}, started)
+    # the stream is read and checked exactly as audit replay does; one that fails is not retimed
+    stream_findings, _ = file_findings(run, model)
+    findings += stream_findings
+    if any(f["severity"] == "fail" for f in findings):
+        log("the stream fails audit replay's file checks: it is not retimed")
+        return finish(ctx, Outcome(**base(ctx), source=None, verdict="fail", findings=findings, verified=None,
+                                   instrument=run.header["candidate"].get("instrument") is True,
+                                   unverified_reason="the stream fails the file checks"))
+    try:
+        draw = fresh_prompts(run, model, min(opts.prompts, len(run.prompts)), seed, opts.fresh)
+    except NoFreshPrompts as exc:
+        return finish(ctx, Outcome(**base(ctx), source=None, verdict="unverified", findings=findings, verified=None,
+                                   instrument=run.header["candidate"].get("instrument") is True,
+                                   unverified_reason=f"no fresh prompts: {exc}"))
+    return measure_and_judge(ctx, model, sides, draw, findings)
+
+
+def base(ctx: Context) -> dict:
+    return {"run": ctx.run, "sha256": ctx.sha256, "seed": ctx.seed, "claimed": ctx.claimed,
+            "max_new_tokens": ctx.max_new_tokens, "legs": ctx.opts.legs,
+            "seconds": time.perf_counter() - ctx.started}
+
+
+def finish(ctx: Context, outcome: Outcome) -> int:
+    doc = build_document(outcome)
+    write_document(ctx.out_path, doc, render_table(doc))
+    return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
+
+
+def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Measured, GpuWatch | None, object]:
+    """Both workers started, every look timed; a worker that fails on a fresh prompt is a finding."""
+    log(f"retiming {ctx.run.header['candidate']['name']} vs {ctx.run.header['control']['name']} on "
+        f"{len(draw.first)} fresh prompts x {ctx.opts.legs} legs, N={ctx.max_new_tokens}, {ctx.device}: "
+        f"{draw.source['how']}")
+    if not tree_control():
+        log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
+    measured = Measured()
+    provenance = control_code(sides)  # before any worker starts: the code the control will load
+    findings += control_code_findings(provenance)
+    was_reaper = set_subreaper(True)
+    gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
+    audit_continues = ContinueCounter().install()
+    clock = PerfClock()
+    try:
+        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox)
+        findings += sandbox_findings(workers["candidate"].launch.sandbox)
+        # the decoders' own word on what they are, against the header's: a stream about another
+        # decoder than the one that runs is not retimed
+        disagree = header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
+        findings += disagree
+        progress = Progress(0 if disagree_fails(disagree) else 2 * ctx.opts.legs * len(draw.first), clock)
+        # the decoder's own word on whether it is an instrument, not the header's
+        m = Measurement(workers, ctx.max_new_tokens, ctx.opts.legs, ctx.warmup_tokens, clock,
+                        instrument=workers["candidate"].instrument, progress=progress)
+        try:
+            if not disagree_fails(disagree):
+                time_looks(m, (draw.first, draw.second), measured, falls_short(ctx.claimed["ratio"], ctx.seed))
+        except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
+            findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
+        finally:
+            progress.close()
+            for w in workers.values():
+                w.close()
+    finally:
+        audit_continues.restore()
+        if gpu is not None:
+            gpu.stop()
+        if was_reaper is False:
+            set_subreaper(False)
+    return workers, measured, gpu, provenance
+
+
+def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:
+    workers, measured, gpu, provenance = measure(ctx, sides, draw, findings)
+    header = ctx.run.header
+    findings += process_findings(workers)
+    findings += gpu_findings(gpu)
+    findings += stop_findings(measured.timed)
+    timed = measured.timed
+    fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
+    log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
+    replayed, _, _ = replay_run(model, fresh_run, log)
+    findings += divergence_findings(fresh_run, replayed)
+    for p in timed:
+        findings += checks.check_control_consistency(p)
+        findings += checks.check_leg_spread(p)
+    findings += load_findings(timed)
+    instrument = workers["candidate"].instrument or header["candidate"].get("instrument") is True
+    provisional = verified_figures(timed, ctx.seed, True, ctx.opts.s_max, ctx.opts.kappa)
+    findings += claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
+    failed = any(f["severity"] == "fail" for f in findings)
+    disqualified = failed or instrument or header["control"].get("name") != "serial"
+    verified = verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
+    verdict = "fail" if failed else ("pass" if verified["ratio"] is not None else "unverified")
+    if not timed:
+        log("nothing was timed: no verified figures")
+    return finish(ctx, Outcome(**base(ctx), source=draw.source, verdict=verdict, findings=findings,
+                               verified=verified, instrument=instrument, fresh=[fp for fp, _ in measured.ran],
+                               timed=timed, exact={p.id: not replayed[p.id].divergences for p in timed},
+                               remeasured=measured.remeasured, second_look=measured.second_look,
+                               gpu_processes=gpu_document(gpu),
+                               control_code=provenance.summary() if provenance is not None else None,
+                               sandbox=(workers["candidate"].launch.sandbox.describe()
+                                        if workers["candidate"].launch.sandbox else None),
+                               unverified_reason=None if verified["ratio"] is not None else "no prompt was timed"))
+
+
+def disagree_fails(found: list[dict]) -> bool:
+    return any(f["severity"] == "fail" for f in found)
+
+
+def watches_gpu(device: str) -> bool:
+    """A retime on a GPU asks which processes hold a context there (``audit.processes.GpuWatch``)."""
+    return str(device).startswith("cuda")

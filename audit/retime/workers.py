@@ -1,0 +1,218 @@
+"""The retime's two worker processes (``python -m harness.worker``): how each side is built from
+the stream's header, how it is launched (``worker_command`` / ``start_worker``, the one place a
+worker's command line is made), and the protocol the audit speaks with it.
+
+Each worker runs in a session of its own, so it is stopped as its process group and, through
+/proc, as its whole process tree (``audit.processes.ProcessTree``); the candidate's also adopts
+the orphans the audit reaps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from core.continues import ContinueCounter
+from core.schema import ROLES, loads
+
+from audit import checks, sandbox
+from audit.pipeline import log
+from audit.processes import ProcessTree, parent_table, tree_control
+from audit.stream import BadInput
+
+WORKER_MODULE = "harness.worker"
+# seconds a worker may take to exit after its stdin closes, before it is killed
+WORKER_EXIT_S = 30
+
+
+class WorkerError(Exception):
+    """A worker failed to start or to answer; the message names the side and what it said."""
+
+    prompt_id: str | None = None  # the fresh prompt it failed on, once timing began
+
+
+@dataclass(frozen=True)
+class Side:
+    """A decoder as the stream recorded it: how ``harness time`` was told to build it."""
+
+    role: str
+    spec: str  # a registered name, or package.module:attr (a plug-in)
+    args: dict  # constructor arguments as recorded (header ``args``)
+    raw_args: tuple[str, ...] = ()  # KEY=VALUE from the header's command line, when ``args`` is absent
+
+    @property
+    def plugin(self) -> bool:
+        return ":" in self.spec
+
+    def describe(self) -> str:
+        return " ".join([self.spec] + ([json.dumps(self.args)] if self.args else []) + list(self.raw_args))
+
+
+def worker_command(side: Side, model_spec: str, device: str) -> list[str]:
+    """The command line of one side's worker (``start_worker`` runs it, in the sandbox for the
+    candidate). Isolated: no PYTHONPATH, no user site; a trusted plug-in keeps PYTHONPATH, where
+    it is found."""
+    return [sys.executable, "-s" if side.plugin else "-I", "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
+            "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
+            *(f"--decoder-arg={a}" for a in side.raw_args)]
+
+
+def command_decoder_args(command) -> tuple[str, ...]:
+    """``--decoder-arg`` values of a recorded ``harness time`` command line."""
+    if not isinstance(command, list):
+        return ()
+    out = []
+    for i, word in enumerate(command):
+        if word == "--decoder-arg" and i + 1 < len(command) and isinstance(command[i + 1], str):
+            out.append(command[i + 1])
+        elif isinstance(word, str) and word.startswith("--decoder-arg="):
+            out.append(word.partition("=")[2])
+    return tuple(out)
+
+
+def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
+    """The control and the candidate as recorded. The candidate's arguments come from the header's
+    ``args``, else from its command line. A plug-in is code the stream names: it runs only with
+    ``trust_plugins``."""
+    sides = []
+    for role in ROLES:
+        entry = header[role]
+        spec = entry.get("spec") if entry.get("spec") is not None else entry["name"]
+        args = entry.get("args")
+        if not isinstance(spec, str) or not spec:
+            raise BadInput(f"header {role} spec must be a non-empty string, not {spec!r}")
+        if args is not None and not isinstance(args, dict):
+            raise BadInput(f"header {role} args must be an object, not {args!r}")
+        raw = command_decoder_args(header.get("command")) if role == "candidate" and args is None else ()
+        side = Side(role, spec, args or {}, raw)
+        if side.plugin and not trust_plugins:
+            raise BadInput(f"the {role} is the plug-in {spec!r}: retiming runs its code; pass --trust-plugin "
+                           "if you trust it")
+        sides.append(side)
+    return sides
+
+
+class Worker:
+    """One side's process; ``decode`` is timed by the caller. ``audit_continues`` counts the
+    audit's own SIGCONTs, shared by both sides."""
+
+    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False):
+        self.role = role
+        self.audit_continues = audit_continues
+        self.resumes = 0  # SIGCONTs the audit sent the worker
+        self.continued: int | None = None  # SIGCONTs the worker last said it received
+        self.continues_judged = 0  # of the others' continues, those already put down to a request
+        # a private pycache and temporary directory; for the candidate, the sandbox (audit.sandbox)
+        self.launch = sandbox.launch(command, sandboxed)
+        # a session of its own: stopped as its process group and, through /proc, as its whole tree
+        self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1, env=self.launch.env, start_new_session=True)
+        # orphans go with the candidate: the control is the audit's own decoder, which starts none
+        self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
+        self.ready: dict | None = None
+        self.killed_at_close = 0
+
+    def pause(self) -> None:
+        self.tree.stop()
+
+    def resume(self) -> None:
+        self.tree.resume()
+        self.resumes += 1
+
+    def continues_by_others(self) -> int | None:
+        """SIGCONTs the worker received from others since the last call (None if it does not say):
+        each one ended a stop that the audit did not make."""
+        if not checks.is_int(self.continued):
+            return None
+        new = max(0, self.continued - self.resumes - self.continues_judged)
+        self.continues_judged += new
+        return new
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise WorkerError(f"the {self.role}'s worker exited (code {code}); its stderr is above")
+        try:
+            msg = loads(line)  # the stream's strict rules: a worker runs code the audit does not trust
+        except ValueError:
+            raise WorkerError(f"the {self.role}'s worker wrote {line.strip()[:200]!r}, not a protocol line") from None
+        if not isinstance(msg, dict) or "error" in msg:
+            raise WorkerError(f"the {self.role}'s worker: {msg.get('error') if isinstance(msg, dict) else msg!r}")
+        self.continued = msg.get("continued")
+        return msg
+
+    def wait_ready(self) -> dict:
+        self.ready = self.read()
+        if self.ready.get("ready") is not True:
+            raise WorkerError(f"the {self.role}'s worker did not start with a ready line: {self.ready!r}")
+        return self.ready
+
+    @property
+    def instrument(self) -> bool:
+        """Whether the decoder itself says it is an instrument (its worker asks it)."""
+        return bool(self.ready) and self.ready.get("instrument") is True
+
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """An instrument's untimed per-prompt preparation, as ``harness time`` gives it."""
+        self.send(prompt_ids, max_new_tokens, key="prepare_prompt")
+        if self.read().get("prepared") is not True:
+            raise WorkerError(f"the {self.role}'s worker did not confirm its preparation")
+
+    def send(self, prompt_ids: list[int], max_new_tokens: int, key: str = "prompt_ids") -> None:
+        try:
+            self.proc.stdin.write(json.dumps({key: prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a closed pipe: the worker is gone
+            raise WorkerError(f"the {self.role}'s worker exited (code {self.proc.wait()}); its stderr is above") from None
+
+    def tokens(self) -> list[int]:
+        tokens = self.read().get("tokens")
+        if not isinstance(tokens, list) or not all(checks.is_int(t) for t in tokens):
+            raise WorkerError(f"the {self.role}'s worker answered without a list of token ids")
+        return tokens
+
+    def close(self) -> None:
+        self.resume()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=WORKER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.killed_at_close = self.tree.kill_members()
+        self.launch.cleanup()
+
+
+def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter,
+                 sandboxed: bool) -> Worker:
+    """One side's worker, started cold (not yet ready); the candidate's in the sandbox when
+    ``sandboxed``."""
+    log(f"starting the {side.role}'s worker: {side.describe()}")
+    return Worker(side.role, worker_command(side, model_spec, device), audit_continues,
+                  sandboxed=sandboxed and side.role == "candidate")
+
+
+def start_workers(sides: list[Side], model_spec: str, device: str,
+                  audit_continues: ContinueCounter, sandboxed: bool = True) -> dict[str, Worker]:
+    """Both sides cold, in processes of their own, each ready; the audit's children from before
+    are no one's orphans."""
+    older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
+    workers = {}
+    try:
+        for side in sides:
+            workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed)
+        for w in workers.values():
+            w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
+        for w in workers.values():
+            w.wait_ready()
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers
