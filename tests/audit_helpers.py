@@ -77,6 +77,14 @@ def findings(doc: dict, check: str, prompt_id: str | None = ..., severity: str |
             and (severity is None or f["severity"] == severity)]
 
 
+def claim_refused(doc: dict) -> bool:
+    """A retime that did not let a stream's claim stand: it failed it (claim-not-reproduced), or
+    found its own interval too wide to judge by (UNVERIFIED, too-noisy-to-verify)."""
+    if doc["verdict"] == "unverified":
+        return bool(findings(doc, "too-noisy-to-verify", severity="warn"))
+    return doc["verdict"] == "fail" and bool(findings(doc, "claim-not-reproduced", severity="fail"))
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

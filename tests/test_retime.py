@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from audit_helpers import findings, forge_stream, run_audit, run_harness
+from audit_helpers import claim_refused, findings, forge_stream, run_audit, run_harness
 
 TESTS = Path(__file__).resolve().parent
 N, PROMPTS, LEGS = 24, 3, 2
@@ -134,9 +134,10 @@ def test_shortened_candidate_legs_pass_replay_but_not_retime(fast_serial_stream,
     result, doc = run_retime(forged)
     assert result.exit_code == 1, result.output
     assert doc["second_look"] is not None and len(doc["prompts"]) == 2 * PROMPTS
-    (f,) = findings(doc, "claim-not-reproduced")
-    assert f["claimed"] > f["ci_high"] * (1 + f["margin"]) and doc["verified"]["score"] == 0
-    assert "claim-not-reproduced" in result.stdout
+    assert claim_refused(doc) and doc["verified"]["score"] == 0, result.output
+    for f in findings(doc, "claim-not-reproduced"):
+        assert f["claimed"] > f["ci_high"] * (1 + f["margin"])
+        assert "claim-not-reproduced" in result.stdout
 
 
 def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
@@ -151,7 +152,7 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
 
     result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
-    assert findings(doc, "claim-not-reproduced") and all(e["exact"] for e in doc["prompts"])
+    assert claim_refused(doc) and all(e["exact"] for e in doc["prompts"])
     assert doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"] and doc["verified"]["score"] == 0
 
 
@@ -162,7 +163,7 @@ def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_pat
     stream = run_harness(tmp_path / "uneven", "retime_decoders:PrecomputedUneven", limit=PROMPTS, n=N, legs=LEGS)
     result, doc = run_retime(stream, "--trust-plugin")
     assert result.exit_code == 1, result.output
-    assert findings(doc, "claim-not-reproduced") and all(e["exact"] for e in doc["prompts"])
+    assert claim_refused(doc) and all(e["exact"] for e in doc["prompts"])
     assert doc["second_look"]["first_prompts"] == doc["second_look"]["prompts"] == PROMPTS
     assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(2 * PROMPTS)]
     assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(2 * PROMPTS)]

@@ -15,8 +15,8 @@ from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device,
 from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
-from audit.retime.judge import (claim_findings, falls_short, gpu_findings, header_findings, process_findings,
-                                 stop_findings, verified_figures)
+from audit.retime.judge import (NOISY_SPAN, claim_findings, falls_short, gpu_findings, header_findings,
+                                 process_findings, stop_findings, too_noisy, verified_figures)
 from audit.retime.document import Outcome, build_document, gpu_document, render_table
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
 from audit.retime.load import load_findings
@@ -180,11 +180,15 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     findings += load_findings(timed)
     instrument = workers["candidate"].instrument or header["candidate"].get("instrument") is True
     provisional = verified_figures(timed, ctx.seed, True, ctx.opts.s_max, ctx.opts.kappa)
-    findings += claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
+    claim = claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
+    noisy = bool(claim) and too_noisy(provisional["ci_low"], provisional["ci_high"])
+    findings += [noisy_finding(claim[0], provisional)] if noisy else claim
     failed = any(f["severity"] == "fail" for f in findings)
-    disqualified = failed or instrument or header["control"].get("name") != "serial"
+    disqualified = failed or noisy or instrument or header["control"].get("name") != "serial"
     verified = verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
-    verdict = "fail" if failed else ("pass" if verified["ratio"] is not None else "unverified")
+    verdict = "fail" if failed else ("pass" if verified["ratio"] is not None and not noisy else "unverified")
+    reason = ("no prompt was timed" if verified["ratio"] is None else
+              "the machine was too noisy to verify the claim" if noisy else None)
     if not timed:
         log("nothing was timed: no verified figures")
     return finish(ctx, Outcome(**base(ctx), source=draw.source, verdict=verdict, findings=findings,
@@ -195,7 +199,16 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
                                control_code=provenance.summary() if provenance is not None else None,
                                sandbox=(workers["candidate"].launch.sandbox.describe()
                                         if workers["candidate"].launch.sandbox else None),
-                               unverified_reason=None if verified["ratio"] is not None else "no prompt was timed"))
+                               unverified_reason=reason))
+
+
+def noisy_finding(claim: dict, verified: dict) -> dict:
+    """What a claim the interval would fail becomes when the interval is too wide to judge by."""
+    return checks.finding("too-noisy-to-verify", "warn", None,
+                          f"{claim['message']}; but the interval spans {verified['ci_high'] / verified['ci_low']:.2f}x "
+                          f"(more than {NOISY_SPAN}x): the machine was too noisy to verify the claim either way; "
+                          "retime on a quieter machine", claimed=claim["claimed"], ci_low=verified["ci_low"],
+                          ci_high=verified["ci_high"])
 
 
 def disagree_fails(found: list[dict]) -> bool:

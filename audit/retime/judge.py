@@ -34,6 +34,10 @@ from audit.stream import PromptRun
 # retimed, 7% (bench/NOTES.md, the 2026-12-02 CPU entry). A claim beyond that fails; whatever a
 # stream claims, the verified score is the retime's own.
 CLAIM_MARGIN = 0.35
+# An interval whose top is more than this times its bottom cannot hold a claim to account: a claim
+# it would fail is judged "too noisy to verify" (UNVERIFIED, no score) rather than false. Honest
+# tiny retimes on a loaded 2-core CPU spanned 1.1x to 2.0x (bench/NOTES.md, 2026-12-02 CPU).
+NOISY_SPAN = 1.5
 CONFIDENCE = 0.95
 RESAMPLES = 9999
 # the header facts a worker re-derives from the decoder itself
@@ -63,9 +67,17 @@ def verified_figures(timed: list[PromptRun], seed: int, disqualified: bool, s_ma
     ratios = prompt_ratios(timed)
     m = checks.median_ratio(ratios)
     low, high, resampled = interval(ratios, seed)
+    # a speed-up the interval cannot tell from none (its bottom at or below 1) scores 0: a decoder
+    # at serial speed gets no score from noise that lifts its median above 1
+    significant = low is not None and low > 1
     return {"ratio": m, "ci_low": low, "ci_high": high, "confidence": CONFIDENCE, "resampled": resampled,
-            "prompts": len(ratios), "f_mem": 1.0,
-            "score": checks.score(m, 1.0, s_max, kappa, disqualified)}
+            "prompts": len(ratios), "f_mem": 1.0, "significant": significant,
+            "score": checks.score(m, 1.0, s_max, kappa, disqualified or not significant)}
+
+
+def too_noisy(low: float | None, high: float | None) -> bool:
+    """The interval is too wide to judge a claim by (see NOISY_SPAN)."""
+    return low is not None and high is not None and low > 0 and high > NOISY_SPAN * low
 
 
 def claim_findings(claimed: float | None, low: float | None, high: float | None) -> list[dict]:
