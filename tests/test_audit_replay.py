@@ -17,7 +17,8 @@ import pytest
 from audit_helpers import (copy_stream, edit, find_leg, findings, legs_of, prompt_ids, read_records, run_audit,
                            run_harness, retime, write_records)
 
-TOP_KEYS = {"schema", "stream", "stream_sha256", "verdict", "exact", "replayed", "consistent", "score", "score_params",
+TOP_KEYS = {"schema", "stream", "stream_sha256", "verdict", "exact", "replayed", "consistent", "score", "claimed_score",
+            "score_params",
             "unstable", "median_ratio", "f_mem", "memory", "replay", "model", "header_model", "candidate", "instrument",
             "reference", "prompts", "findings"}
 PROMPT_KEYS = {"id", "exact", "tokens", "ratio", "harness_ratio", "control_median_s", "candidate_median_s",
