@@ -52,7 +52,7 @@ def read_prompt(opts: GenerateOptions, stdin=None) -> str | list[int]:
     given = [name for name, value in (("a PROMPT argument", opts.prompt), ("--prompt-file", opts.prompt_file),
                                       ("--prompt-ids", opts.prompt_ids)) if value is not None]
     if len(given) > 1:
-        raise UserError(f"give the prompt one way, not as {' and '.join(given)}")
+        raise UserError(f"give the prompt one way, not both {' and '.join(given)}")
     if opts.prompt_ids is not None:
         if opts.chat:
             raise UserError("--chat applies a template to text; --prompt-ids are already token ids")

@@ -172,7 +172,7 @@ def test_prompt_ids_from_a_file_decode_those_ids(tmp_path):
     ("[]", (), "non-negative integers"),
     ("not json", (), "cannot read a JSON list"),
     ("[1, 2]", ("--chat",), "--chat applies a template"),
-    ("[1, 2]", ("some text",), "one way"),
+    ("[1, 2]", ("some text",), "not both a PROMPT argument and --prompt-ids"),
 ])
 def test_bad_prompt_ids_are_one_line(tmp_path, content, extra, words):
     from click.testing import CliRunner

@@ -58,7 +58,9 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     assert doc["verdict"] == "pass" and not findings(doc, "claim-not-reproduced")
     v = doc["verified"]
     assert v["ci_low"] <= v["ratio"] <= v["ci_high"] and v["prompts"] == len(doc["prompts"])
-    assert v["score"] == pytest.approx(0.95 * (1 - math.exp(-(v["ratio"] - 1) / 2)) if v["ratio"] > 1 else 0.0)
+    # scored by the median, and only where the interval tells the speed-up from none
+    assert v["significant"] == (v["ci_low"] > 1)
+    assert v["score"] == pytest.approx(0.95 * (1 - math.exp(-(v["ratio"] - 1) / 2)) if v["significant"] else 0.0)
     assert "prompts' ratios, with replacement" in v["resampled"]
     assert doc["claimed"]["ratio"] > 0 and not findings(doc, "header-disagrees")
     assert doc["candidate"]["name"] == decoder and doc["kind"] == "retime"
@@ -536,7 +538,10 @@ def test_a_first_look_that_falls_short_gets_a_second(first, second, looks_again,
     doc = build_document(scripted_outcome([fp for fp, _ in out.ran], out.timed, found, out.remeasured,
                                           out.second_look))
     assert doc["second_look"] == out.second_look and len(doc["prompts"]) == len(timed)
-    assert (doc["verified"]["score"] > 0) == passes
+    # a score only for a claim that holds and a speed-up the interval tells from none (ratios 1 and 3:
+    # the interval reaches 1, so the second case passes the claim with a verified score of 0)
+    assert (doc["verified"]["score"] > 0) == (passes and doc["verified"]["significant"])
+    assert doc["verified"]["significant"] == (doc["verified"]["ci_low"] > 1)
     assert ("second look: the first 2 fresh prompts' median" in render_table(doc)) == looks_again
 
 
