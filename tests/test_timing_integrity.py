@@ -346,10 +346,9 @@ def test_watch_compares_records_with_its_copies():
                             "the last a violation record")
 
 
-def test_watch_overhead_per_leg_is_small():
-    """One leg's check on tiny's scale (a prompt's records so far, every reading): far under a
-    millisecond. Timed with the process's CPU clock, min over repeats, so a loaded machine reads
-    the same."""
+def test_a_check_over_noted_records_finds_nothing_when_nothing_changed():
+    """One leg's check at tiny's scale (a prompt's records so far, every reading), repeated: an
+    honest run reads as unchanged every time. (Its cost is a benchmark's question, not a test's.)"""
     import harness.cli  # noqa: F401  (the harness's modules loaded, as in a run)
 
     clock = timing.Clock.start()
@@ -362,16 +361,7 @@ def test_watch_overhead_per_leg_is_small():
                "stats": {"forwards": 64}}
         records.append(rec)
         watch.note_record(rec)
-    best = min(cpu_seconds(lambda: watch.check("leg", clock, records), 20) for _ in range(5))
-    assert watch.check("leg", clock, records) == []
-    assert best < 1e-3, best
-
-
-def cpu_seconds(fn, n: int) -> float:
-    t0 = time.process_time()
-    for _ in range(n):
-        fn()
-    return (time.process_time() - t0) / n
+    assert all(watch.check("leg", clock, records) == [] for _ in range(20))
 
 
 def test_watch_sees_each_watched_object(monkeypatch):
