@@ -72,7 +72,12 @@ class Decoder(Protocol):
         emitted tokens as the decode goes (a step's token, a verify round's kept tokens), already
         cut at the stop: the batches concatenate to ``DecodeResult.tokens``. It changes no token.
         An exception it raises ends the decode; the next decode must still be exact. Decoders
-        without it still work with ``decoders.api`` (their tokens come as one batch at the end)."""
+        without it still work with ``decoders.api`` (their tokens come as one batch at the end).
+
+        Sampling: a decoder with ``sampling = True`` also takes a keyword-only ``sampler``
+        (``core.sampling.Sampler``; None or greedy is the greedy decode above). Each token is then
+        the sampler's pick at its absolute position from logits bit-identical to the control's,
+        so "exact" keeps its meaning: the tokens equal ``serial``'s under the same sampler."""
 
     def config(self) -> dict:
         """Settings that define this decoder's behaviour, recorded in the run header."""

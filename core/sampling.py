@@ -1,0 +1,235 @@
+"""The seeded sampler: one definition of a sampled token, shared by the control, the decoders and the audit.
+
+A sampled token at absolute position ``p`` (the index of the token in prompt + output) is
+
+    argmax over allowed v of  logits[v] / T + G(seed, p, v)
+
+with ties going to the smallest ``v``. ``G`` is standard Gumbel noise, ``-log(-log(u))``, where
+``u = (h + 0.5) / 2**32`` and ``h`` is a 32-bit counter-based hash of (seed, p, v) computed with
+integer tensor ops that never overflow: its bits do not depend on the device, the batch, or how
+many tokens came before. The allowed set is what top-k, then top-p, then min-p keep of the
+softmax of ``logits / T`` (HF's order of warpers). By the Gumbel-max trick the token is an exact
+sample from the filtered softmax (tests/test_sampling.py checks it with a chi-square test), and
+because the noise is a function of the position alone, a speculative decoder that reaches the same
+logits at the same position emits the same token: "exact" keeps its meaning under sampling.
+
+``T = 0`` is greedy decoding, ``argmax(logits)``, bit for bit the control's unsampled token.
+
+Every function here works on ONE row of logits (a 1-D tensor). A row is copied into its own
+float64 tensor before any reduction, so a verify window's row, the control's ``[1, V]`` logits and
+a lone step's row go through the same kernels on the same shapes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+NAME = "gumbel-max/v1"
+_M32 = 0xFFFFFFFF
+
+# Qwen's recommended settings (Qwen3 model cards): thinking mode, and everything else
+PRESETS = {
+    "qwen-thinking": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+    "qwen-instruct": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+}
+
+
+class SamplerError(ValueError):
+    """A sampler description that does not define a sampler (the CLIs show it as one line)."""
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """What decides a token. ``top_k=0``, ``top_p=1`` and ``min_p=0`` switch their filter off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        t, k, p, m, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise SamplerError(f"temperature must be a finite number >= 0, not {t!r}")
+        if not _is_int(k) or k < 0:
+            raise SamplerError(f"top_k must be an integer >= 0 (0: off), not {k!r}")
+        if not _is_real(p) or not 0 < p <= 1:
+            raise SamplerError(f"top_p must be in (0, 1] (1: off), not {p!r}")
+        if not _is_real(m) or not 0 <= m < 1:
+            raise SamplerError(f"min_p must be in [0, 1) (0: off), not {m!r}")
+        if not _is_int(s) or not 0 <= s < 2 ** 64:
+            raise SamplerError(f"seed must be an integer in [0, 2**64), not {s!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "min_p", float(m))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_json(self) -> dict:
+        return {"name": NAME, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, doc) -> "Sampler":
+        """The sampler a stream or record names; a missing one (``None``) is greedy."""
+        if doc is None:
+            return GREEDY
+        if not isinstance(doc, dict) or doc.get("name") != NAME:
+            raise SamplerError(f"not a {NAME} sampler: {doc!r:.200}")
+        fields = {k: v for k, v in doc.items() if k != "name"}
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SamplerError(f"unknown sampler field(s): {', '.join(sorted(unknown))}")
+        return cls(**fields)
+
+    @classmethod
+    def parse(cls, text: str) -> "Sampler":
+        """``greedy``, a preset (``qwen-thinking``), ``key=value,...``, or a preset followed by
+        overrides: ``qwen-thinking,seed=7``. Keys: temperature (or t), top_k, top_p, min_p, seed."""
+        fields: dict = {}
+        for i, part in enumerate(p.strip() for p in str(text).split(",")):
+            if not part:
+                raise SamplerError(f"empty item in sampler {text!r}")
+            if "=" not in part:
+                if i or part not in (*PRESETS, "greedy"):
+                    raise SamplerError(f"unknown sampler preset {part!r} (presets: greedy, {', '.join(PRESETS)})")
+                fields.update(PRESETS.get(part, {}))
+                continue
+            key, value = (s.strip() for s in part.split("=", 1))
+            key = {"t": "temperature", "temp": "temperature"}.get(key, key)
+            if key not in cls.__dataclass_fields__:
+                raise SamplerError(f"unknown sampler key {key!r} (keys: temperature, top_k, top_p, min_p, seed)")
+            try:
+                fields[key] = int(value) if key in ("top_k", "seed") else float(value)
+            except ValueError:
+                raise SamplerError(f"sampler {key}={value!r} is not a number") from None
+        return cls(**fields)
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature={self.temperature:g}"]
+        parts += [f"top_k={self.top_k}"] if self.top_k else []
+        parts += [f"top_p={self.top_p:g}"] if self.top_p < 1 else []
+        parts += [f"min_p={self.min_p:g}"] if self.min_p > 0 else []
+        return ",".join(parts + [f"seed={self.seed}"])
+
+    def pick(self, logits: torch.Tensor, position: int) -> int:
+        """The token at absolute ``position`` from one row of logits ``[V]`` (or ``[1, V]``)."""
+        return int(self.pick_tensor(logits, position).item())
+
+    def pick_tensor(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """As ``pick``, as a 0-d int64 tensor on the logits' device (no host sync)."""
+        row = logits.reshape(-1)
+        if self.greedy:
+            return row.argmax(-1)
+        z = row.to(torch.float64, copy=True) / self.temperature
+        allowed = allowed_mask(z, self)
+        noise = gumbel(self.seed, position, row.numel(), row.device)
+        return torch.where(allowed, z + noise, -math.inf).argmax(-1)
+
+    def pick_rows(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
+        """One token per row of ``[R, V]`` logits, row r at position ``first_position + r``:
+        row by row, so each row's token is the one ``pick`` gives it alone. int64 ``[R]``."""
+        rows = logits.reshape(-1, logits.shape[-1])
+        if self.greedy:
+            return torch.stack([r.argmax(-1) for r in rows])
+        return torch.stack([self.pick_tensor(r, first_position + i) for i, r in enumerate(rows)])
+
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for 32-bit ``x`` (an int or int64 tensor) and constant ``c``, with no
+    intermediate above 2**49: the constant is split in 16-bit halves, so nothing overflows int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x):
+    """A 32-bit avalanche finalizer (lowbias32): every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def position_key(seed: int, position: int) -> tuple[int, int]:
+    """The two 32-bit keys of (seed, position), computed on the host in exact integers."""
+    k = _fmix32((seed & _M32) ^ 0x9E3779B9)
+    k = _fmix32(k ^ ((seed >> 32) & _M32))
+    k1 = _fmix32(k ^ (position & _M32))
+    k2 = _fmix32(k1 ^ ((position >> 32) & _M32) ^ 0x85EBCA6B)
+    return k1, k2
+
+
+def hash_bits(seed: int, position: int, vocab: int, device=None) -> torch.Tensor:
+    """``h(seed, position, v)`` for v in [0, vocab): int64 values in [0, 2**32)."""
+    k1, k2 = position_key(seed, position)
+    v = torch.arange(vocab, dtype=torch.int64, device=device)
+    return _fmix32((_fmix32(v ^ k1) + k2) & _M32)
+
+
+def gumbel(seed: int, position: int, vocab: int, device=None) -> torch.Tensor:
+    """Standard Gumbel noise ``G(seed, position, v)`` for every v, float64 ``[vocab]``."""
+    u = (hash_bits(seed, position, vocab, device).to(torch.float64) + 0.5) * 2.0 ** -32
+    return -torch.log(-torch.log(u))
+
+
+GREEDY = Sampler()
+
+
+def allowed_mask(z: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+    """Which tokens top-k, top-p and min-p keep, from one float64 row ``z = logits / T``.
+
+    top-k keeps the k largest (the smallest indices among equal values at the boundary); top-p
+    keeps, of the survivors' renormalized softmax sorted high to low (stable), each token whose
+    preceding mass is below p, so the token that crosses p is kept; min-p keeps the survivors
+    whose probability is at least min_p times the largest. The largest logit is always kept."""
+    vocab = z.numel()
+    allowed = torch.ones(vocab, dtype=torch.bool, device=z.device)
+    if 0 < sampler.top_k < vocab:
+        kth = torch.topk(z, sampler.top_k).values[-1]
+        above = z > kth
+        tied = z == kth
+        room = sampler.top_k - above.sum()
+        allowed = above | (tied & (torch.cumsum(tied.to(torch.int64), 0) <= room))
+    if sampler.top_p < 1:
+        masked = torch.where(allowed, z, -math.inf)
+        probs = torch.softmax(masked, 0)
+        order = torch.sort(masked, descending=True, stable=True).indices
+        sorted_probs = probs[order]
+        before = torch.cumsum(sorted_probs, 0) - sorted_probs
+        keep_sorted = before < sampler.top_p
+        keep_sorted[0] = True
+        keep = torch.zeros_like(allowed)
+        keep[order] = keep_sorted
+        allowed = allowed & keep
+    if sampler.min_p > 0:
+        top = z.max()
+        allowed = allowed & (torch.exp(z - top) >= sampler.min_p)
+    return allowed
+
+
+def probabilities(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+    """The distribution a sampled token follows: the filtered softmax of ``logits / T`` (float64);
+    for greedy, all mass on the argmax. For tests and the audit's reports, not for decoding."""
+    row = logits.reshape(-1)
+    if sampler.greedy:
+        out = torch.zeros(row.numel(), dtype=torch.float64, device=row.device)
+        out[row.argmax()] = 1.0
+        return out
+    z = row.to(torch.float64, copy=True) / sampler.temperature
+    return torch.softmax(torch.where(allowed_mask(z, sampler), z, -math.inf), 0)
