@@ -114,6 +114,9 @@ class ProcessTree:
         self.stopped: list[int] = []
         self.seen: set[int] = set()  # every member ever found, to reap the ones that were the audit's
         self.outside_group: set[int] = set()
+        self.in_box: set[int] = set()  # during one stop: members a frozen cgroup holds
+        self.outside_box: set[int] = set()  # members found outside the worker's frozen cgroup
+        self.group_stopped = False
 
     def members(self, table: dict[int, tuple[int, int]]) -> list[int]:
         """The worker's descendants (and adopted orphans with theirs), parents first; not the worker."""
@@ -124,12 +127,21 @@ class ProcessTree:
         out = [pid for pid in roots - {self.pid} if pid in table]
         return out + [pid for pid in descendants(roots, table) if pid not in out]
 
-    def stop(self) -> None:
+    def stop(self, frozen=None) -> None:
         """SIGSTOP to every member, leaves first, then to the worker's group; again while new ones
-        appear. Without /proc, the group alone."""
+        appear. Without /proc, the group alone. ``frozen(pid)`` says which processes a frozen
+        cgroup already holds (``audit.cgroups``): they and the worker get no signal, and each
+        member outside it is counted in ``outside_box``."""
         for _ in range(STOP_ROUNDS if tree_control() else 0):
             table = parent_table()
-            new = [pid for pid in self.members(table) if pid not in self.stopped]
+            new = [pid for pid in self.members(table) if pid not in self.stopped and pid not in self.in_box]
+            if frozen is not None:
+                boxed = [pid for pid in new if frozen(pid)]
+                self.in_box.update(boxed)
+                self.seen.update(boxed)
+                self.outside_group.update(pid for pid in boxed if table[pid][1] != self.pid)
+                new = [pid for pid in new if pid not in self.in_box]
+                self.outside_box.update(new)
             if not new:
                 break
             for pid in reversed(new):
@@ -137,20 +149,29 @@ class ProcessTree:
             self.seen.update(new)
             self.outside_group.update(pid for pid in new if table[pid][1] != self.pid)
             self.stopped += new
+        if frozen is not None:
+            self.in_box.clear()
+            return
         try:
             os.killpg(self.pid, signal.SIGSTOP)
         except ProcessLookupError:  # the worker is gone: its next read says so
             pass
+        self.group_stopped = True
 
-    def resume(self) -> None:
-        """SIGCONT to the worker's group, then to every process ``stop`` stopped, parents first."""
-        try:
-            os.killpg(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    def resume(self) -> bool:
+        """SIGCONT to the worker's group (if ``stop`` signalled it), then to every process ``stop``
+        stopped, parents first; returns whether the worker itself was sent a SIGCONT."""
+        group = self.group_stopped
+        if group:
+            try:
+                os.killpg(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         for pid in self.stopped:
             send(pid, signal.SIGCONT)
         self.stopped = []
+        self.group_stopped = False
+        return group
 
     def kill_members(self) -> int:
         """SIGKILL to every member still running (once the worker has exited), then reap those that

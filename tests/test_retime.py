@@ -174,13 +174,20 @@ def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_pat
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="process trees are found in /proc (Linux)")
-@pytest.mark.parametrize("orphan", [False, True])
-def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path, orphan):
+@pytest.mark.parametrize("orphan,cgroup", [(False, True), (True, True), (False, False), (True, False)])
+def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path, orphan, cgroup, monkeypatch):
     """The plug-in starts spinners that burn the machine whenever its worker is stopped (i.e. while
     the control is timed), each in a session of its own that a signal to the worker's group misses,
-    and with ``orphan`` abandoned out of the worker's tree. The audit stops them with the worker, so
-    none ever runs while it is stopped; it warns about them and kills them at the end."""
+    and with ``orphan`` abandoned out of the worker's tree. The audit stops them with the worker
+    (frozen in its cgroup where this machine offers one, else by signals through /proc), so none
+    ever runs while it is stopped; it warns about them and kills them at the end."""
     from retime_decoders import written_pids
+    import audit.cgroups
+
+    if cgroup and audit.cgroups.where()[0] is None:
+        pytest.skip(f"no writable cgroup v2 here: {audit.cgroups.where()[2]}")
+    if not cgroup:
+        monkeypatch.setattr(audit.cgroups, "where", lambda: (None, "", "switched off by the test"))
 
     log = tmp_path / "spun.log"
     stream = run_harness(tmp_path / "load", "retime_decoders:LoadsTheControl", limit=2, n=N, legs=LEGS,
@@ -196,6 +203,8 @@ def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path
     assert sorted(f["outside_group"]) == sorted(pids) and f["killed_at_close"] == len(pids)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # killed and reaped
     assert "outside its process group" in result.stdout
+    how = doc["isolation"]["candidate"]
+    assert (how["freeze"] == "cgroup.freeze" and how["outside_box"] == []) if cgroup else how["freeze"] == "signals"
 
 
 def retime_leaving_outsiders(tmp_path, plugin: str):

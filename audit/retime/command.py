@@ -199,6 +199,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
                                control_code=provenance.summary() if provenance is not None else None,
                                sandbox=(workers["candidate"].launch.sandbox.describe()
                                         if workers["candidate"].launch.sandbox else None),
+                               isolation={role: w.isolation() for role, w in workers.items()},
                                unverified_reason=reason))
 
 

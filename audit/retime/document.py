@@ -40,6 +40,7 @@ class Outcome:
     unverified_reason: str | None = None
     control_code: dict | None = None  # core.provenance's summary (None: not checked)
     sandbox: dict | None = None  # the candidate's sandbox (None: --no-sandbox, or no worker ran)
+    isolation: dict | None = None  # role -> how that side was frozen while the other was timed
 
 
 def gpu_document(gpu: GpuWatch | None) -> dict | None:
@@ -91,8 +92,25 @@ def build_document(o: Outcome) -> dict:
         # the control's import closure against git HEAD / RECORD; the candidate's sandbox
         "control_code": o.control_code,
         "sandbox": o.sandbox,
+        # per side: frozen by its cgroup v2 (and pinned, where cpusets are delegated), or by signals
+        "isolation": o.isolation,
         "findings": o.findings,
     }
+
+
+def isolation_line(isolation: dict | None) -> str:
+    """How the side not being timed was stopped: by its cgroup (and pinned or not), or by signals."""
+    if not isolation:
+        return "-"
+    parts = []
+    for role, how in sorted(isolation.items()):
+        if how.get("cgroup"):
+            pinned = how.get("pinned")
+            parts.append(f"{role} frozen by cgroup v2" + (f", pinned to CPUs {pinned}"
+                                                         if pinned and not pinned.startswith("not") else ""))
+        else:
+            parts.append(f"{role} stopped by signals ({how.get('why')})")
+    return ", ".join(parts)
 
 
 def widest_spread(spreads: dict[str, float | None]) -> float | None:
@@ -143,8 +161,8 @@ def render_table(doc: dict) -> str:
         lines.append(f"GPU processes: asked {gpu['samples']} times, " + (
             f"not told: {gpu['unmeasured']}" if gpu["unmeasured"] and not gpu["foreign"] else
             f"{len(gpu['foreign'])} out of the audit's reach"))
-    lines.append(f"candidate sandbox: {sandbox_line(doc.get('sandbox'))}; control code: "
-                 f"{control_code_line(doc.get('control_code'))}")
+    lines.append(f"candidate sandbox: {sandbox_line(doc.get('sandbox'))}; idle side: "
+                 f"{isolation_line(doc.get('isolation'))}; control code: {control_code_line(doc.get('control_code'))}")
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines += summary_lines(doc)

@@ -146,6 +146,14 @@ def process_findings(workers: dict) -> list[dict]:
     out = []
     for w in workers.values():
         outside, killed = sorted(w.tree.outside_group), w.killed_at_close
+        escaped = sorted(w.tree.outside_box)
+        if escaped:
+            # a process that left its worker's cgroup could run on while the other side was timed:
+            # it was stopped by signal instead, but a decoder that leaves its box is not trusted
+            out.append(checks.finding(
+                "left-its-cgroup", "fail", None,
+                f"the {w.role}'s worker ran {len(escaped)} process(es) outside its cgroup", role=w.role,
+                outside_box=escaped))
         if outside or killed:
             out.append(checks.finding(
                 "worker-processes", "warn", None,

@@ -2,9 +2,13 @@
 the stream's header, how it is launched (``worker_command`` / ``start_worker``, the one place a
 worker's command line is made), and the protocol the audit speaks with it.
 
-Each worker runs in a session of its own, so it is stopped as its process group and, through
-/proc, as its whole process tree (``audit.processes.ProcessTree``); the candidate's also adopts
-the orphans the audit reaps.
+Where the OS offers a writable cgroup v2, each worker starts inside a cgroup of its own
+(``audit.cgroups.Box``): the side that is not being timed is frozen there by the kernel, both
+sides are pinned to the same CPUs where cpusets are delegated, and at the end everything in the
+box is killed. Each worker also runs in a session of its own, so without a cgroup, or for any
+process found outside its box, it is stopped by signals as its process group and, through /proc,
+as its whole process tree (``audit.processes.ProcessTree``); the candidate's also adopts the
+orphans the audit reaps.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from core.continues import ContinueCounter
 from core.schema import ROLES, loads
 
-from audit import checks, sandbox
+from audit import cgroups, checks, sandbox
 from audit.pipeline import log
 from audit.processes import ProcessTree, parent_table, tree_control
 from audit.stream import BadInput
@@ -98,7 +102,8 @@ class Worker:
     """One side's process; ``decode`` is timed by the caller. ``audit_continues`` counts the
     audit's own SIGCONTs, shared by both sides."""
 
-    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False):
+    def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False,
+                 boxed: bool = True):
         self.role = role
         self.audit_continues = audit_continues
         self.resumes = 0  # SIGCONTs the audit sent the worker
@@ -106,20 +111,43 @@ class Worker:
         self.continues_judged = 0  # of the others' continues, those already put down to a request
         # a private pycache and temporary directory; for the candidate, the sandbox (audit.sandbox)
         self.launch = sandbox.launch(command, sandboxed)
+        self.box, self.unboxed = cgroups.Box.create(f"qwen35-{role}", cpus=shared_cpus()) if boxed else (None, "not asked")
+        argv = self.box.enter_argv(self.launch.argv) if self.box else self.launch.argv
         # a session of its own: stopped as its process group and, through /proc, as its whole tree
-        self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     bufsize=1, env=self.launch.env, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         bufsize=1, env=self.launch.env, start_new_session=True)
+        except BaseException:
+            self.launch.cleanup()
+            if self.box:
+                self.box.kill()
+            raise
         # orphans go with the candidate: the control is the audit's own decoder, which starts none
         self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
         self.ready: dict | None = None
         self.killed_at_close = 0
 
     def pause(self) -> None:
-        self.tree.stop()
+        if self.box is not None:
+            try:
+                self.box.freeze()
+            except cgroups.CgroupError as exc:
+                raise WorkerError(f"the {self.role}'s worker: {exc}") from None
+            self.tree.stop(frozen=self.box.holds)
+        else:
+            self.tree.stop()
 
     def resume(self) -> None:
-        self.tree.resume()
-        self.resumes += 1
+        if self.tree.resume():
+            self.resumes += 1  # a thaw sends no SIGCONT: only a signalled resume is the audit's own
+        if self.box is not None:
+            self.box.thaw()
+
+    def isolation(self) -> dict:
+        """How this side was stopped while the other was timed, for retime.json."""
+        if self.box is None:
+            return {"freeze": "signals", "cgroup": None, "why": self.unboxed, "pinned": None}
+        return {**self.box.describe(), "outside_box": sorted(self.tree.outside_box)}
 
     def continues_by_others(self) -> int | None:
         """SIGCONTs the worker received from others since the last call (None if it does not say):
@@ -185,8 +213,18 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.killed_at_close = self.tree.kill_members()
+        if self.box is not None:
+            self.killed_at_close = self.box.kill()
+        self.killed_at_close += self.tree.kill_members()
         self.launch.cleanup()
+
+
+def shared_cpus() -> str | None:
+    """The CPUs the audit may use, as a cpuset list: both sides are pinned to the same ones."""
+    try:
+        return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None
 
 
 def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter,
