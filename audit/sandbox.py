@@ -190,12 +190,15 @@ class Launch:
 
 def launch(command: list[str], sandbox: bool, which=shutil.which, root: bool | None = None,
            environ: dict | None = None) -> Launch:
-    """How to start ``command`` (a ``python -I`` worker): with a private directory of its own that
-    holds its ``PYTHONPYCACHEPREFIX`` (empty, so no ``.pyc`` written before is loaded) and, with
+    """How to start ``command`` (a ``python -I`` worker, ``command[0]`` the interpreter): with a
+    private directory of its own that holds its pycache (empty, so no ``.pyc`` written before is
+    loaded: given as ``-X pycache_prefix``, since ``-I`` ignores ``PYTHONPYCACHEPREFIX``) and, with
     ``sandbox``, inside this machine's sandbox (``plan``), the directory its only writable place."""
     tmpdir = tempfile.mkdtemp(prefix="qwen35-worker-")
+    pycache = os.path.join(tmpdir, "pycache")
+    command = [command[0], "-X", f"pycache_prefix={pycache}", *command[1:]]
     env = dict(os.environ if environ is None else environ)
-    env["PYTHONPYCACHEPREFIX"] = os.path.join(tmpdir, "pycache")
+    env["PYTHONPYCACHEPREFIX"] = pycache
     env.pop("PYTHONUSERBASE", None)
     if not sandbox:
         return Launch(list(command), env, tmpdir, None)

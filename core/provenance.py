@@ -184,8 +184,9 @@ class Closure:
     def __init__(self, modules, python: str = sys.executable):
         self.cache = tempfile.TemporaryDirectory(prefix="qwen35-pycache-")
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        env["PYTHONPYCACHEPREFIX"] = self.cache.name
-        self.proc = subprocess.Popen([python, "-I", "-c", CLOSURE, *modules], env=env, stdout=subprocess.PIPE,
+        # -I ignores PYTHONPYCACHEPREFIX: the private pycache is given with -X
+        self.proc = subprocess.Popen([python, "-I", "-X", f"pycache_prefix={self.cache.name}", "-c", CLOSURE, *modules],
+                                     env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
     def files(self) -> list[str]:

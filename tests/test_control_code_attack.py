@@ -41,7 +41,7 @@ _honest_decode = SerialDecoder.decode
 
 def _slowed_decode(self, *args, **kwargs):
     import pathlib, time
-    marker = pathlib.Path(__file__).resolve().parent.parent / "slowed.marker"
+    marker = pathlib.Path(__file__).resolve().parent.parent.parent / "slowed.marker"
     marker.write_text(str(__import__("os").getpid()))
     time.sleep({SLOW_S})
     return _honest_decode(self, *args, **kwargs)
@@ -122,10 +122,11 @@ def run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def harness_time(python, copy, decoder: str, out: str) -> Path:
+    out = copy.parent / out  # outside the copy, whose git status is looked at
     done = run(python, copy, "-m", "harness", "time", "--decoder", f"adversary:{decoder}", "--model", "tiny",
-               "--device", "cpu", "--out", out, "--limit", "2", "-n", "12", "--legs", "2")
+               "--device", "cpu", "--out", str(out), "--limit", "2", "-n", "12", "--legs", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    return copy / out / "stream.jsonl"
+    return out / "stream.jsonl"
 
 
 def claimed_ratio(python, copy, stream: Path) -> tuple[int, dict]:
@@ -152,7 +153,7 @@ def test_a_rewritten_control_is_named_by_the_harness_the_replay_and_the_retime(c
     assert code == 1 and any(f["check"] == "control-code-modified" for f in doc["findings"])
     code, doc, output = retime(python, copy, stream)
     assert code == 1, output[-3000:]
-    assert doc["verdict"] == "fail" and doc["verified"]["score"] == 0
+    assert doc["verdict"] == "fail" and not (doc["verified"] or {}).get("score")
     assert any(f["check"] == "control-code-modified" and f["path"].endswith("decoders/serial.py")
                for f in doc["findings"])
 
@@ -162,7 +163,7 @@ def test_a_planted_pyc_never_runs_in_the_retimes_workers(checkout):
     harness_time(python, copy, "PlantsPyc", "first")  # plants the .pyc
     assert git(copy, "status", "--porcelain") == "?? adversary.py\n"
     stream = harness_time(python, copy, "PlantsPyc", "second")  # loads the planted, slowed control
-    marker = copy / "slowed.marker"
+    marker = copy.parent / "slowed.marker"  # beside the copy: its git status stays clean
     assert marker.exists()  # the harness's own process ran the planted code: the claim is bought
     code, doc = claimed_ratio(python, copy, stream)
     assert doc["claimed_score"] > 0 and doc["exact"]  # the replay's figure is the stream's claim

@@ -68,8 +68,10 @@ def test_unshare_as_root(tmp_path):
 def test_launch_gives_a_private_pycache(tmp_path):
     launch = sandbox.launch(["python"], sandbox=False, environ={"PYTHONUSERBASE": "/x", "A": "1"})
     try:
-        assert launch.sandbox is None and launch.argv == ["python"]
-        assert launch.env["PYTHONPYCACHEPREFIX"].startswith(launch.tmpdir) and "PYTHONUSERBASE" not in launch.env
+        pycache = launch.env["PYTHONPYCACHEPREFIX"]
+        # on the command line too: a worker runs with -I, which ignores PYTHON* variables
+        assert launch.sandbox is None and launch.argv == ["python", "-X", f"pycache_prefix={pycache}"]
+        assert pycache.startswith(launch.tmpdir) and "PYTHONUSERBASE" not in launch.env
         assert launch.env["A"] == "1" and os.path.isdir(launch.tmpdir)
     finally:
         launch.cleanup()
