@@ -32,7 +32,7 @@ import pytest
 from audit_helpers import claim_refused
 
 REPO = Path(__file__).resolve().parents[1]
-SLOW_S = 0.05  # per decode call of the slowed control: a tiny model's decode takes a few ms
+SLOW_S = 0.1  # per decode call of the slowed control: a tiny model's decode takes a few ms
 
 PAYLOAD = f'''
 
@@ -47,6 +47,7 @@ def _slowed_decode(self, *args, **kwargs):
     return _honest_decode(self, *args, **kwargs)
 
 
+_slowed_decode.honest = _honest_decode
 SerialDecoder.decode = _slowed_decode
 '''
 
@@ -58,9 +59,16 @@ from decoders.serial import SerialDecoder
 ROOT = pathlib.Path(__file__).resolve().parent
 SERIAL = ROOT / "decoders" / "serial.py"
 PAYLOAD = %r
+# its own decode is the honest one, whatever the control's has become
+HONEST = getattr(SerialDecoder.decode, "honest", SerialDecoder.decode)
 
 
-class Rewrites(SerialDecoder):
+class Honest(SerialDecoder):
+    def decode(self, *args, **kwargs):
+        return HONEST(self, *args, **kwargs)
+
+
+class Rewrites(Honest):
     name = "rewrites"
 
     def prepare(self, model):
@@ -71,7 +79,7 @@ class Rewrites(SerialDecoder):
                            check=True)
 
 
-class PlantsPyc(SerialDecoder):
+class PlantsPyc(Honest):
     name = "plants-pyc"
 
     def prepare(self, model):
@@ -167,6 +175,7 @@ def test_a_planted_pyc_never_runs_in_the_retimes_workers(checkout):
     assert marker.exists()  # the harness's own process ran the planted code: the claim is bought
     code, doc = claimed_ratio(python, copy, stream)
     assert doc["claimed_score"] > 0 and doc["exact"]  # the replay's figure is the stream's claim
+    assert doc["median_ratio"] > 1.5
     marker.unlink()
     code, doc, output = retime(python, copy, stream)
     assert not marker.exists()  # neither worker loaded the planted .pyc
