@@ -79,10 +79,12 @@ def findings(doc: dict, check: str, prompt_id: str | None = ..., severity: str |
 
 def claim_refused(doc: dict) -> bool:
     """A retime that did not let a stream's claim stand: it failed it (claim-not-reproduced), or
-    found its own interval too wide to judge by (UNVERIFIED, too-noisy-to-verify)."""
+    found its own interval too wide to judge by (too-noisy-to-verify: UNVERIFIED, or FAIL where
+    another check failed the retime too)."""
+    noisy = bool(findings(doc, "too-noisy-to-verify", severity="warn"))
     if doc["verdict"] == "unverified":
-        return bool(findings(doc, "too-noisy-to-verify", severity="warn"))
-    return doc["verdict"] == "fail" and bool(findings(doc, "claim-not-reproduced", severity="fail"))
+        return noisy
+    return doc["verdict"] == "fail" and (noisy or bool(findings(doc, "claim-not-reproduced", severity="fail")))
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:

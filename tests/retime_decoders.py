@@ -178,6 +178,25 @@ def workers():
             continue
         if b"-m\\x00harness.worker\\x00" in cmd:
             yield entry, cmd
+
+def cgroup2_mount():
+    with open("/proc/self/mountinfo") as f:
+        return next((l.partition(" - ")[0].split()[4] for l in f if l.partition(" - ")[2].startswith("cgroup2 ")), None)
+
+MOUNT = cgroup2_mount()
+
+def stopped(pid):
+    # stopped by a signal, or frozen in its cgroup v2: either way the other side is being timed
+    with open(f"/proc/{pid}/stat") as f:
+        if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+            return True
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            path = next(l[3:].strip() for l in f if l.startswith("0::"))
+        with open(f"{MOUNT}{path}/cgroup.events") as f:
+            return "frozen 1" in f.read()
+    except (OSError, StopIteration, TypeError):
+        return False
 """
 
 # The spinner of LoadsTheControlFromOutside: started by `harness time`'s run of the decoder, it
@@ -192,11 +211,10 @@ while time.monotonic() - start < lifetime:
         time.sleep(0.01)
         continue
     try:
-        with open(f"/proc/{watched}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
+        frozen = stopped(watched)
     except OSError:
         break
-    if state in ("T", "t"):
+    if frozen:
         end = time.perf_counter() + 0.005
         while time.perf_counter() < end:
             pass
@@ -238,10 +256,6 @@ class LoadsTheControlFromOutside:
 # candidate's is stopped (the control is timed) pauses the control's again and again: SIGSTOP, a
 # few ms, SIGCONT. It takes almost no CPU. It exits after LIFETIME seconds, or once a worker is gone.
 STOPPER = OUTSIDE_START + """
-def state(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0]
-
 start, candidate, control = time.monotonic(), None, None
 while time.monotonic() - start < lifetime:
     if candidate is None or control is None:
@@ -253,12 +267,12 @@ while time.monotonic() - start < lifetime:
         time.sleep(0.01)
         continue
     try:
-        stopped = state(candidate) in ("T", "t")
-        if stopped:
+        timing_control = stopped(candidate)
+        if timing_control:
             os.kill(int(control), signal.SIGSTOP)
             time.sleep(0.004)
             os.kill(int(control), signal.SIGCONT)
-        time.sleep(0.004 if stopped else 0.001)
+        time.sleep(0.004 if timing_control else 0.001)
     except (OSError, ProcessLookupError):
         break
 """
