@@ -242,6 +242,18 @@ def test_warm_leg_flags_request_cache():
     assert checks.check_warm_leg(cached, 3)[0]["check"] == "warm-leg"
 
 
+def test_a_warm_leg_fails_only_as_a_lookup():
+    """A slow honest first leg (a loaded machine) is a warning; later legs ten times faster than the
+    first, the control's steady, are a lookup and fail."""
+    slow_first = make_prompt({"control": [1.0, 1.0, 1.0], "candidate": [1.0, 0.5, 0.5]}, legs=3)
+    (f,) = checks.check_warm_leg(slow_first, 3)
+    assert f["severity"] == "warn"
+    cached = make_prompt({"control": [1.0, 1.0, 1.05], "candidate": [1.0, 0.01, 0.01]}, legs=3)
+    assert [f["severity"] for f in checks.check_warm_leg(cached, 3)] == ["fail"]
+    noisy_control = make_prompt({"control": [3.0, 1.0, 1.0], "candidate": [1.0, 0.001, 0.001]}, legs=3)
+    assert [f["severity"] for f in checks.check_warm_leg(noisy_control, 3)] == ["warn"]
+
+
 def test_warm_leg_flags_tenfold_relative_speedup_despite_noisy_control():
     # the control's first leg hit a slow spell (later/first 0.5), the candidate's later legs are ~free
     cached = make_prompt({"control": [2.0, 1.0, 1.0], "candidate": [1.0, 0.001, 0.001]}, legs=3)
