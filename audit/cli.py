@@ -7,7 +7,8 @@ from the raw legs, checks the file for tampering, scores the run and writes audi
 of its own, on the audit's clock, and writes retime.json (``audit.retime``).
 
 Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input,
-or under torchrun a rank that failed or hung (one line on stderr, nothing written).
+or under torchrun a rank (with --workers, a replay worker) that failed or hung (one line on
+stderr, nothing written).
 
 Import rule: core only; never harness or decoders (tests/test_audit_imports.py).
 """

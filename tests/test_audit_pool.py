@@ -4,7 +4,7 @@ replay's, so audit.json is the same document field by field (apart from the repl
 its worker count), every replayed logit the same value; a worker that fails, hangs or dies fails
 the audit (exit 2) with one line naming the worker and prompt, and nothing is written.
 
-On tiny, on the CPU: 2 workers against 1. The workers are spawned processes; a fault is patched
+On tiny, on the CPU: 2 workers against 1 (and on a GPU, marked ``cuda``). The workers are spawned processes; a fault is patched
 into them by running the audit through tests/pool_audit_fault.py.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from audit_helpers import find_leg, read_records, run_audit, run_harness, write_records
@@ -172,3 +173,34 @@ def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_p
     assert error_lines(proc) == [line], proc.stderr
     assert "Traceback" not in proc.stderr.replace("[worker 1] Traceback", "")  # only the worker's own
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_workers_on_one_gpu_equal_the_lone_replay_bit_for_bit(diverging_stream, tmp_path):
+    """Two workers sharing one GPU: every PromptReplay (each emitted-token logit, top-5 and margin)
+    and audit.json equal a lone replay's on that GPU. The CPU-recorded stream is replayed with
+    --allow-device-mismatch: where the GPU's greedy path parts from the CPU's, there are more
+    divergences, and so more logits, to compare."""
+    from audit.pool import PoolOptions, WorkerPool
+    from audit.replay import replay_run, walk_here
+    from audit.stream import load_run
+    from core.models import load_model
+
+    run = load_run(diverging_stream)
+    model = load_model("tiny", "cuda")
+    alone, _, _ = replay_run(walk_here(model), run)
+    with WorkerPool("tiny", "cuda", model.identity, PoolOptions(workers=2)) as pool:
+        pooled, _, _ = replay_run(pool.walk, run)
+    assert pooled == alone
+
+    docs = []
+    for workers in (1, 2):
+        result, doc = run_audit(diverging_stream, "--device", "cuda", "--allow-device-mismatch", "--workers",
+                                str(workers), out=tmp_path / f"audit-{workers}.json")
+        assert result.exit_code in (0, 1) and doc is not None, result.output
+        docs.append(doc)
+    assert differences(without_pool(docs[0]), without_pool(docs[1])) == []
