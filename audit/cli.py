@@ -7,7 +7,8 @@ from the raw legs, checks the file for tampering, scores the run and writes audi
 of its own, on the audit's clock, and writes retime.json (``audit.retime``).
 
 Exit codes: 0 everything exact and consistent; 1 the audit ran and found failures; 2 bad input,
-or under torchrun a rank that failed or hung (one line on stderr, nothing written).
+or under torchrun a rank (with --workers, a replay worker) that failed or hung (one line on
+stderr, nothing written).
 
 Import rule: core only; never harness or decoders (tests/test_audit_imports.py).
 """
@@ -56,13 +57,17 @@ def main():
               help="Score scale: S_max * (1 - exp(-(m - 1) / kappa)) * f_mem.")
 @click.option("--mem-allowance", type=click.FloatRange(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory allowed before the score is cut: f_mem = min(1, allowance / ratio).")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Replay N prompts at once in N worker processes on the one device, each with its own copy "
+                   "of the model (N times its memory: about 19 GB a worker at the 9B shape) and its own "
+                   "pristine serial path. Results are a lone replay's, bit for bit. 1: in this process.")
 @click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True), default=1800, show_default=True,
               metavar="SECONDS",
-              help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
-                   "finish) for this long is taken as hung; the audit then fails (exit 2) naming the rank "
-                   "and its prompt, and writes nothing. Also the process group's timeout.")
+              help="Under torchrun, or with --workers above 1: a rank or worker that shows no progress for "
+                   "this long is taken as hung; the audit then fails (exit 2) naming it and its prompt, and "
+                   "writes nothing. Also the process group's timeout.")
 def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_max, kappa, mem_allowance,
-               dist_timeout):
+               workers, dist_timeout):
     """Replay STREAM (a harness stream.jsonl) and audit it.
 
     Every leg's tokens must be exactly what serial greedy decoding emits (teacher-forced replay,
@@ -85,21 +90,28 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     distinct (model, prompt, N) is walked once for all of them, so auditing K runs of one
     benchmark costs one replay instead of K. Every file is read and checked for bad input before
     anything is replayed or written.
+
+    One device, several prompts at once (`--workers N`): N worker processes share the device, each
+    loading its own copy of the model and walking one prompt at a time; audit.json is the one a
+    lone replay writes apart from the replay's timing and its workers. A worker that fails or hangs
+    fails the audit (exit 2) naming the worker and prompt; nothing is written.
     """
     from core.dist import quiet_rank, rank_prefix  # torch loads only when a command runs: --help stays fast
 
+    from audit.pool import PoolOptions
     from audit.report import printable
 
     params = {"s_max": s_max, "kappa": kappa, "mem_allowance": mem_allowance}
+    pool = PoolOptions(workers=workers, timeout_s=dist_timeout)
     try:
         check_device_option(device)
         if len(streams) > 1:
             if out_path:
                 raise BadInput("--out names one file: with several streams each audit.json is written beside its stream")
-            code = audit_streams([Path(s) for s in streams], model_spec, device, allow_device_mismatch, params)
+            code = audit_streams([Path(s) for s in streams], model_spec, device, allow_device_mismatch, params, pool)
         else:
             code = audit_stream(Path(streams[0]), model_spec, Path(out_path) if out_path else None, device,
-                                allow_device_mismatch, params, dist_timeout)
+                                allow_device_mismatch, params, pool)
     except (BadInput, UserError) as exc:
         fail(printable(str(exc)), quiet=quiet_rank())  # every rank meets it alike: rank 0 says it
     except DistError as exc:
@@ -195,8 +207,11 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
               help="Verified score ceiling S_max (as audit replay's).")
 @click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Verified score saturation kappa (as audit replay's).")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Replay the retimed legs N prompts at once, in N processes on the one device, each with its "
+                   "own copy of the model (as audit replay --workers). 1: in the audit's own process.")
 def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
-               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa):
+               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, workers):
     """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:
     the verified ratio, its interval and score.
 
@@ -228,21 +243,24 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
                          trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, sandbox=not no_sandbox,
-                         s_max=s_max, kappa=kappa)
+                         s_max=s_max, kappa=kappa, workers=workers)
     try:
         code = retime(opts)
     except (BadInput, UserError) as exc:
         fail(str(exc))
     except WorkerError as exc:
         fail(f"retime could not start: {exc}")
+    except DistError as exc:  # a replay worker (--workers) failed or hung
+        fail(str(exc))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written", 130)
     sys.exit(code)
 
 
 def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, device: str | None,
-                 allow_device_mismatch: bool, params: dict, dist_timeout: float | None = None) -> int:
-    """The whole audit; returns the exit code. Writes audit.json once, at the end."""
+                 allow_device_mismatch: bool, params: dict, pool=None) -> int:
+    """The whole audit; returns the exit code. Writes audit.json once, at the end. ``pool``: an
+    ``audit.pool.PoolOptions`` (workers on the one device, and the hang timeout)."""
     from audit.pipeline import pin_replay_environment  # torch loads only when a command runs: --help stays fast
 
     pin_replay_environment()
@@ -250,20 +268,25 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
 
     from audit import checks
     from audit.pipeline import (check_out_path, check_writable, choose_device, file_findings, finish,
-                                load_replay_model, log, replay_device_json, replay_info)
+                                load_replay_model, log, model_spec_from_header, replay_device_json, replay_info)
+    from audit.pool import PoolOptions, replay_walker
     from audit.progress import Progress
     from audit.replay import planned_positions, replay_run
     from audit.report import divergence_findings
     from audit.sharded import audit_sharded
     from audit.stream import load_run, resolve_stream_path
 
+    pool = pool or PoolOptions()
     path = resolve_stream_path(path)
     out_path = check_out_path(out_path or path.parent / "audit.json", path)
     run = load_run(path)
     topo = dist.topology()
     if topo.active:
+        if pool.workers > 1:
+            raise BadInput("--workers shares one device between processes; under torchrun every rank has a "
+                           "device of its own: leave --workers at 1")
         return audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
-                             dist_timeout or dist.DEFAULT_TIMEOUT_S)
+                             pool.timeout_s)
     dev = choose_device(device, run.header["device"])
     replay_dev = replay_device_json(dev)
     findings = checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
@@ -277,12 +300,13 @@ def audit_stream(path: Path, model_spec: str | None, out_path: Path | None, devi
     if not model_findings:  # replaying with another model would only report noise
         log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
             f"on {replay_dev['name']} ...")
-        with Progress(planned_positions([run]), "replay", log) as bar:
-            replayed, tokens, seconds = replay_run(model, run, bar.log, bar=bar)
+        with replay_walker(model, model_spec or model_spec_from_header(run.header), dev, pool, log) as walker, \
+                Progress(planned_positions([run]), "replay", log) as bar:
+            replayed, tokens, seconds = replay_run(walker, run, bar.log, bar=bar)
         findings += divergence_findings(run, replayed)
     else:
         log("not replayed: the model is not the one that recorded the stream")
-    return finish(run, path, out_path, findings, replayed, replay_info([replay_dev], tokens, seconds),
+    return finish(run, path, out_path, findings, replayed, replay_info([replay_dev], tokens, seconds, pool.workers),
                   model.identity, params)
 
 
@@ -308,15 +332,17 @@ def prepare_job(path: Path, models: dict, model_spec, device, allow_device_misma
 
 
 def audit_streams(paths: list[Path], model_spec: str | None, device: str | None, allow_device_mismatch: bool,
-                  params: dict) -> int:
-    """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``).
-    Bad input in any file stops everything before a replay or a write."""
+                  params: dict, pool=None) -> int:
+    """Several streams in one process, sharing the replay walks (``audit.replay.replay_shared``),
+    on ``pool``'s workers (``audit.pool.PoolOptions``). Bad input in any file stops everything
+    before a replay or a write."""
     from audit.pipeline import pin_replay_environment  # torch loads only when a command runs
 
     pin_replay_environment()
     from core import dist
 
     from audit.pipeline import check_out_path, check_writable, finish, log, replay_info
+    from audit.pool import PoolOptions, replay_walker
     from audit.progress import Progress
     from audit.replay import planned_positions, replay_shared
     from audit.report import divergence_findings, printable
@@ -324,6 +350,7 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
 
     if dist.topology().active:
         raise BadInput("under torchrun, audit one stream per launch (the sharded replay splits one run's prompts)")
+    pool = pool or PoolOptions()
     paths = [resolve_stream_path(p) for p in paths]
     for path in paths:
         check_out_path(path.parent / "audit.json", path)
@@ -350,8 +377,9 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
         log(f"replaying {len(members)} stream(s) with {key[0]} on {jobs[members[0]][2]['name']}, "
             "each distinct prompt once ...")
         member_runs = [jobs[i][1] for i in members]
-        with Progress(planned_positions(member_runs, shared=True), "replay", log) as bar:
-            for i, result in zip(members, replay_shared(model, member_runs, bar.log, bar)):
+        with replay_walker(model, key[0], key[1], pool, log) as walker, \
+                Progress(planned_positions(member_runs, shared=True), "replay", log) as bar:
+            for i, result in zip(members, replay_shared(walker, member_runs, bar.log, bar)):
                 replays[i] = result
 
     codes = []
@@ -361,7 +389,8 @@ def audit_streams(paths: list[Path], model_spec: str | None, device: str | None,
             findings = findings + divergence_findings(run, replayed)
         click.echo(printable(f"\n== {path}"))
         codes.append(finish(run, path, path.parent / "audit.json", findings, replayed,
-                            replay_info([replay_dev], tokens, seconds), models[key].identity, params))
+                            replay_info([replay_dev], tokens, seconds, pool.workers), models[key].identity,
+                            params))
     failed = [str(p) for p, c in zip(paths, codes) if c != EXIT_PASS]
     click.echo(printable(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +
                          (f"; failing: {', '.join(failed)}" if failed else "")))

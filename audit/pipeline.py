@@ -157,11 +157,14 @@ def check_writable(out_path: Path) -> None:
         raise BadInput(f"cannot write {out_path}: {existing} is not a writable directory")
 
 
-def replay_info(devices: list[dict], tokens: int, seconds: float) -> dict:
-    """audit.json ``replay``: how the tokens were replayed, and where (one entry per rank)."""
+def replay_info(devices: list[dict], tokens: int, seconds: float, workers: int = 1) -> dict:
+    """audit.json ``replay``: how the tokens were replayed, and where (one entry per rank; ``workers``
+    processes on each rank's device, ``audit.pool``). ``ms_per_token`` is the wall time over every
+    token replayed, so with several workers it is the pool's throughput, not one walk's pace."""
     return {"path": "pristine-serial", "device": devices[0]["name"], "tokens_replayed": tokens,
             "seconds": seconds, "ms_per_token": 1000 * seconds / tokens if tokens else None,
-            "world_size": len(devices), "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)]}
+            "world_size": len(devices), "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)],
+            "workers": workers}
 
 
 def finish(run, path: Path, out_path: Path, findings, replayed, info: dict, model_identity: dict,

@@ -160,25 +160,75 @@ def leg_streams(p) -> dict[str, tuple]:
     return labelled
 
 
-def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None, bar=None) -> PromptReplay:
-    """One prompt's walk along the greedy path, settling every leg of it. ``bar``: an
-    ``audit.progress.Progress`` ticked once per position."""
-    labelled = leg_streams(p)
+@dataclass(frozen=True)
+class Walk:
+    """One walk along the greedy path: a prompt, the distinct streams it settles, and N. Plain
+    data, so that a worker process (``audit.pool``) can be handed one."""
+
+    label: str  # what logs and failures call it: a prompt id
+    prompt_ids: tuple[int, ...]
+    streams: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+
+
+@dataclass
+class Walked:
+    """What a walk found: ``replay_prompt``'s results, the seconds it took, and where it ran."""
+
+    results: dict[tuple, Divergence | None]
+    greedy: list[int]
+    seconds: float
+    worker: int | None = None  # the pool worker that walked it; None: this process
+
+
+def walk_one(stepper, walk: Walk, eos: set[int], bar=None, log=None) -> Walked:
+    """One walk through ``stepper``. ``bar``: an ``audit.progress.Progress`` (or a worker's relay
+    of one) ticked once per position and settled at the end."""
     ticked = 0
 
-    def progress(i, pid=p.id):
+    def progress(i):
         nonlocal ticked
         if bar is not None:
             bar.tick()
             ticked += 1
         if log and i % 64 == 0:
-            log(f"  {pid}: position {i}/{max_new_tokens}")
+            log(f"  {walk.label}: position {i}/{walk.max_new_tokens}")
 
-    results, greedy = replay_prompt(stepper, p.token_ids, list(labelled.values()), max_new_tokens, eos, progress)
+    t0 = time.perf_counter()
+    results, greedy = replay_prompt(stepper, list(walk.prompt_ids), list(walk.streams), walk.max_new_tokens, eos,
+                                    progress)
+    seconds = time.perf_counter() - t0
     if bar is not None:
-        bar.settle(expected_positions(labelled.values(), max_new_tokens), len(greedy), ticked)
-    divs = {label: results[s] for label, s in labelled.items() if results[s] is not None}
-    return PromptReplay(divs, len(greedy), greedy)
+        bar.settle(expected_positions(walk.streams, walk.max_new_tokens), len(greedy), ticked)
+    return Walked(results, greedy, seconds)
+
+
+def walk_here(model):
+    """A walker on ``model`` in this process: ``walker(walks, bar, log)`` walks them one after
+    another and yields ``(index, Walked)`` for each. ``audit.pool.WorkerPool.walk`` is the other
+    walker, over worker processes, yielding in the order the walks finish."""
+    def walker(walks: list[Walk], bar=None, log=None):
+        stepper, eos = PristineSerial(model), set(model.eos_token_ids)
+        for i, walk in enumerate(walks):
+            yield i, walk_one(stepper, walk, eos, bar, log)
+
+    return walker
+
+
+def prompt_walk(p, max_new_tokens: int) -> Walk:
+    return Walk(p.id, tuple(p.token_ids), tuple(dict.fromkeys(leg_streams(p).values())), max_new_tokens)
+
+
+def prompt_replay(p, walked: Walked) -> PromptReplay:
+    """A prompt's legs settled by its own walk."""
+    divs = {label: walked.results[s] for label, s in leg_streams(p).items() if walked.results[s] is not None}
+    return PromptReplay(divs, len(walked.greedy), walked.greedy)
+
+
+def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None, bar=None) -> PromptReplay:
+    """One prompt's walk along the greedy path, settling every leg of it. ``bar``: an
+    ``audit.progress.Progress`` ticked once per position."""
+    return prompt_replay(p, walk_one(stepper, prompt_walk(p, max_new_tokens), eos, bar, log))
 
 
 def expected_positions(streams, max_new_tokens: int) -> int:
@@ -187,7 +237,7 @@ def expected_positions(streams, max_new_tokens: int) -> int:
     return 0 if longest is None else min(max_new_tokens, longest + 1)
 
 
-def walked(divergence: Divergence | None, full: int) -> int:
+def walked_positions(divergence: Divergence | None, full: int) -> int:
     """How many positions a walk computes to settle one stream: all of them if it is exact, else up
     to its first divergence (a stop-rule divergence is found without computing its position)."""
     if divergence is None:
@@ -195,57 +245,56 @@ def walked(divergence: Divergence | None, full: int) -> int:
     return divergence.position if divergence.reason in (AFTER_EOS, TOO_LONG) else divergence.position + 1
 
 
-def replay_shared(model, runs: list, log=None, bar=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
+def replay_shared(walker, runs: list, log=None, bar=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
     """Replay several runs recorded with one model: each distinct (prompt, N) is walked ONCE for
     the legs of every run that holds it. A stream's verdict depends only on the greedy path, which
     is the same for every run of the same model, prompt and N, so sharing the walk changes no
-    result. Returns, per run, what ``replay_run`` would: ({prompt_id: PromptReplay}, tokens
-    replayed, seconds); a shared walk's tokens and seconds are counted for every run it settled."""
-    stepper = PristineSerial(model)
-    eos = set(model.eos_token_ids)
+    result. ``walker``: ``walk_here(model)`` or a worker pool's. Returns, per run, what
+    ``replay_run`` would: ({prompt_id: PromptReplay}, tokens replayed, seconds); a shared walk's
+    tokens and seconds are counted for every run it settled."""
     groups: dict[tuple, list[tuple[int, object]]] = {}
     for i, run in enumerate(runs):
         for p in run.prompts:
             groups.setdefault((tuple(p.token_ids), run.max_new_tokens), []).append((i, p))
-    out = [({}, 0, 0.0) for _ in runs]
-    for n, ((prompt_ids, max_new), members) in enumerate(groups.items(), start=1):
+    walks, members_of = [], []
+    for (prompt_ids, max_new), members in groups.items():
         labelled = [(i, p, leg_streams(p)) for i, p in members]
-        streams = [s for _, _, legs in labelled for s in legs.values()]
-        t0 = time.perf_counter()
-        results, greedy = replay_prompt(stepper, list(prompt_ids), streams, max_new, eos)
-        seconds = time.perf_counter() - t0
-        if bar is not None:
-            bar.settle(expected_positions(streams, max_new), len(greedy), 0)
-        for i, p, legs in labelled:
-            divs = {label: results[s] for label, s in legs.items() if results[s] is not None}
+        streams = tuple(dict.fromkeys(s for _, _, legs in labelled for s in legs.values()))
+        walks.append(Walk(members[0][1].id, prompt_ids, streams, max_new))
+        members_of.append(labelled)
+    out = [({}, 0, 0.0) for _ in runs]
+    for n, (k, walked) in enumerate(walker(walks, bar, log), start=1):
+        greedy, seconds = walked.greedy, walked.seconds
+        for i, p, legs in members_of[k]:
+            divs = {label: walked.results[s] for label, s in legs.items() if walked.results[s] is not None}
             # the positions this run's own walk would have computed, so its audit.json is the one
             # a separate audit writes (only the replay's seconds differ: a share of the walk's)
-            own = max(walked(results[s], len(greedy)) for s in legs.values()) if legs else 0
+            own = max(walked_positions(walked.results[s], len(greedy)) for s in legs.values()) if legs else 0
             replayed, tokens, secs = out[i]
             replayed[p.id] = PromptReplay(divs, own, greedy[:own])
             out[i] = (replayed, tokens + own, secs + seconds * own / max(len(greedy), 1))
         if log:
             per = 1000 * seconds / len(greedy) if greedy else 0.0
-            log(f"replay [{n}/{len(groups)}] {members[0][1].id}: {len(greedy)} positions, {per:.1f} ms/token, "
-                f"{len(set(streams))} distinct stream(s) from {len(members)} run(s)")
-    return out
+            log(f"replay [{n}/{len(walks)}] {walks[k].label}: {len(greedy)} positions, {per:.1f} ms/token, "
+                f"{len(walks[k].streams)} distinct stream(s) from {len(members_of[k])} run(s){where(walked.worker)}")
+    # each run's prompts in file order, whatever order the walks finished in
+    return [({p.id: replayed[p.id] for p in run.prompts if p.id in replayed}, tokens, secs)
+            for run, (replayed, tokens, secs) in zip(runs, out)]
 
 
-def replay_run(model, run, log=None, prompts=None, bar=None) -> tuple[dict[str, PromptReplay], int, float]:
-    """Replay every prompt of a run (or ``prompts``, a rank's share of them). Returns
-    ({prompt_id: PromptReplay}, tokens replayed, seconds). ``bar``: an ``audit.progress.Progress``
-    over ``planned_positions``."""
-    stepper = PristineSerial(model)
-    eos = set(model.eos_token_ids)
-    prompts = run.prompts if prompts is None else prompts
+def replay_run(walker, run, log=None, bar=None) -> tuple[dict[str, PromptReplay], int, float]:
+    """Replay every prompt of a run through ``walker`` (``walk_here(model)`` or a worker pool's).
+    Returns ({prompt_id: PromptReplay} in file order, tokens replayed, seconds). ``bar``: an
+    ``audit.progress.Progress`` over ``planned_positions``."""
+    walks = [prompt_walk(p, run.max_new_tokens) for p in run.prompts]
     out, total, t0 = {}, 0, time.perf_counter()
-    for n, p in enumerate(prompts, start=1):
-        t_prompt = time.perf_counter()
-        rep = out[p.id] = replay_one(stepper, p, run.max_new_tokens, eos, log, bar)
+    for n, (i, walked) in enumerate(walker(walks, bar, log), start=1):
+        p = run.prompts[i]
+        rep = out[p.id] = prompt_replay(p, walked)
         total += rep.positions
         if log:
-            log_prompt(log, n, len(prompts), p, rep, time.perf_counter() - t_prompt)
-    return out, total, time.perf_counter() - t0
+            log_prompt(log, n, len(walks), p, rep, walked.seconds, walked.worker)
+    return {p.id: out[p.id] for p in run.prompts}, total, time.perf_counter() - t0
 
 
 def planned_positions(runs: list, shared: bool = False) -> int:
@@ -259,9 +308,14 @@ def planned_positions(runs: list, shared: bool = False) -> int:
     return sum(expected_positions(streams, n) for n, streams in walks.values())
 
 
-def log_prompt(log, n: int, count: int, p, rep: PromptReplay, seconds: float) -> None:
+def where(worker: int | None) -> str:
+    """A log line's note of the pool worker that walked it (none for this process)."""
+    return "" if worker is None else f" [worker {worker}]"
+
+
+def log_prompt(log, n: int, count: int, p, rep: PromptReplay, seconds: float, worker: int | None = None) -> None:
     per = 1000 * seconds / rep.positions if rep.positions else 0.0
     divs = rep.divergences
     log(f"replay [{n}/{count}] {p.id}: {rep.positions} positions, {per:.1f} ms/token, "
         f"{len(set(leg_streams(p).values()))} distinct stream(s), "
-        f"{'exact' if not divs else f'{len(divs)} leg(s) diverge'}")
+        f"{'exact' if not divs else f'{len(divs)} leg(s) diverge'}{where(worker)}")

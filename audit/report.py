@@ -167,8 +167,10 @@ def render_table(doc: dict) -> str:
     rp, sp = doc["replay"], doc["score_params"]
     lines.append("")
     if rp["tokens_replayed"]:
+        workers = rp.get("workers", 1)
         lines.append(f"replay: {rp['tokens_replayed']} tokens in {rp['seconds']:.2f} s "
-                     f"({rp['ms_per_token']:.2f} ms/token) on {rp['device']} via {rp['path']}")
+                     f"({rp['ms_per_token']:.2f} ms/token{f', {workers} workers' if workers > 1 else ''}) "
+                     f"on {rp['device']} via {rp['path']}")
     else:
         lines.append("replay: no tokens replayed")
     lines.append(f"claimed (in-process timing): median ratio {fmt_ratio(doc['median_ratio'])}  f_mem {doc['f_mem']:.3f}  "

@@ -20,6 +20,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   retime-9b   `audit retime` on synthetic-9b streams inside the sandbox: CUDA checked inside it first,
               then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
               `harness time` and retimed on fresh prompts; the table of claimed and verified ratios
+  replay-throughput
+              `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
+              8 prompts x 96 tokens) at --workers 1, 2 and 4 on the one GPU: tokens/s per setting,
+              and whether the audit.json documents agree (bench/replay_table.py)
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -108,6 +112,23 @@ def retime_steps(out: Path) -> list[Step]:
     return steps
 
 
+# replay throughput: one stream, audited at each worker count; 8 prompts so that 4 workers get 2 each
+REPLAY_WORKERS = (1, 2, 4)
+
+
+def replay_throughput_steps(out: Path) -> list[Step]:
+    stream = out / "stream" / "stream.jsonl"
+    steps = [Step("time", (PY, "-m", "harness", "time", "--decoder", "fast-serial", "--model", "synthetic-9b",
+                           "--prompts", "random-512", "--limit", "8", "-n", "96", "--legs", "1", "--force",
+                           "--out", str(stream.parent)), done="replay/stream/stream.jsonl")]
+    # exit 1 = findings (a timing warning turned failure on a noisy host): the table still compares
+    steps += [Step(f"audit-w{n}", (PY, "-m", "audit", "replay", str(stream), "--workers", str(n),
+                                   "--out", str(out / f"audit-w{n}.json")), ok=(0, 1))
+              for n in REPLAY_WORKERS]
+    steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py "{out}"/audit-w*.json')))
+    return steps
+
+
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
@@ -130,6 +151,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
                                "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
     if name == "retime-9b":
         return retime_steps(out / "retime")
+    if name == "replay-throughput":
+        return replay_throughput_steps(out / "replay")
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
@@ -137,7 +160,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "tests-cuda", "suite")
+SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "replay-throughput", "tests-cuda",
+        "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 

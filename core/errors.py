@@ -7,8 +7,9 @@ class UserError(Exception):
 
 
 class DistError(Exception):
-    """Under torchrun: a rank failed, hung or was stopped, so the whole run fails. Shown as one
-    line naming the rank (and its prompt where there is one), exit 1; nothing is written."""
+    """Under torchrun a rank, or in a replay pool (``audit.pool``) a worker, failed, hung or was
+    stopped, so the whole run fails. Shown as one line naming the rank or worker (and its prompt
+    where there is one); nothing is written."""
 
 
 class Stopped(BaseException):

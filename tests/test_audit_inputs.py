@@ -351,7 +351,7 @@ def test_progress_bar_counts_every_walked_position_and_shrinks_its_total(stream)
     import io
 
     from audit.progress import Progress
-    from audit.replay import planned_positions, replay_run
+    from audit.replay import planned_positions, replay_run, walk_here
     from audit.stream import load_run
     from core.models import load_model
 
@@ -365,7 +365,7 @@ def test_progress_bar_counts_every_walked_position_and_shrinks_its_total(stream)
     run = load_run(stream)
     sink = io.StringIO()
     with Progress(planned_positions([run]), "replay", enabled=True, file=sink) as bar:
-        _, positions, _ = replay_run(load_model("tiny", "cpu"), run, bar.log, bar=bar)
+        _, positions, _ = replay_run(walk_here(load_model("tiny", "cpu")), run, bar.log, bar=bar)
         assert bar.bar.n == positions and bar.bar.total == positions < planned_positions([run])
     assert "replay" in sink.getvalue() and "tok" in sink.getvalue()
     assert planned_positions([run]) == sum(min(run.max_new_tokens, max(len(r["tokens"]) for r in p.legs) + 1)

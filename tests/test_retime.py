@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from audit_helpers import claim_refused, findings, forge_stream, run_audit, run_harness
+from audit_helpers import claim_refused, copy_stream, findings, forge_stream, run_audit, run_harness
 
 TESTS = Path(__file__).resolve().parent
 N, PROMPTS, LEGS = 24, 3, 2
@@ -321,6 +321,16 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
     assert f["severity"] == "fail" and f["pids"] == [1] and result.exit_code == 1
     assert doc["gpu_processes"]["foreign"] == [{"pid": 1, "name": "miner"}]
     assert "1 (miner)" in result.stdout
+
+
+def test_retimed_legs_are_replayed_on_workers(fast_serial_stream, tmp_path):
+    """--workers: the retimed legs replayed by worker processes on the one device (audit.pool)."""
+    stream = copy_stream(fast_serial_stream, tmp_path / "run")
+    result, doc = run_retime(stream, "--prompts", "2", "--workers", "2")
+    assert result.exit_code in (0, 1) and doc is not None, result.output
+    assert not findings(doc, "retime-error") and not findings(doc, "exactness")
+    assert doc["prompts"] and all(e["exact"] for e in doc["prompts"])
+    assert "starting 2 replay workers" in result.output and "[worker " in result.output
 
 
 def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):

@@ -13,6 +13,7 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device, file_findings, load_replay_model,
                             log, model_spec_from_header, pin_replay_environment, replay_device_json)
 from audit.processes import GpuWatch, set_subreaper, tree_control
+from audit.pool import PoolOptions, replay_walker
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
 from audit.retime.judge import (NOISY_SPAN, claim_findings, falls_short, gpu_findings, header_findings,
@@ -47,6 +48,7 @@ class RetimeOptions:
     fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
     s_max: float = 0.95
     kappa: float = 2.0
+    workers: int = 1  # processes that replay the retimed legs on the one device (audit.pool)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     timed = measured.timed
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
-    replayed, _, _ = replay_run(model, fresh_run, log)
+    with replay_walker(model, ctx.model_spec, ctx.device, PoolOptions(workers=ctx.opts.workers), log) as walker:
+        replayed, _, _ = replay_run(walker, fresh_run, log)
     findings += divergence_findings(fresh_run, replayed)
     for p in timed:
         findings += checks.check_control_consistency(p)

@@ -1,0 +1,314 @@
+"""Replay workers on one device: ``audit replay --workers N`` and ``audit retime --workers N``.
+
+The eager serial path is host-bound: one process keeps a GPU mostly idle (about 19 tokens/s at
+the 9B shape). Here N processes share the device, each with its own model copy, CUDA context and
+pristine serial path (``audit.replay.PristineSerial``), each walking one prompt at a time. The
+parent hands the walks out in file order to whichever worker is free, and shows their ticks on
+its one progress bar. A walk's arithmetic is the lone replay's: the same calls, in a process
+pinned to the same configuration (``core.determinism``, checked against the parent's) with the
+same torch thread count, so every logit and result is the same; only the seconds differ.
+
+Memory: each worker loads its own copy of the model (N copies: the audit's own copy of the
+weights is dropped before the workers start). At the 9B shape that is about 19 GB a worker.
+
+A worker that fails, dies, or sends nothing for ``timeout_s`` while it loads or walks fails the
+replay (``DistError``, one line naming the worker and its prompt) before anything is written,
+and every other worker is killed. The workers are spawned (``multiprocessing``'s ``spawn``:
+CUDA cannot be forked) and import ``core`` and ``audit`` only.
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import sys
+import time
+import traceback
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from core.errors import DistError
+
+DEFAULT_TIMEOUT_S = 1800  # as core.dist: a worker silent this long is hung
+POLL_S = 0.5  # how often the parent looks for a hung worker while none has spoken
+CLOSE_S = 60  # a worker told to stop gets this long to exit before it is killed
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """How a replay's walks are spread: ``workers`` processes on the replay's one device (1:
+    in the audit's own process), each taken as hung after ``timeout_s`` without a word."""
+
+    workers: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker is told once, at its start: the model to load, where, with how many threads."""
+
+    model: str
+    device: str
+    threads: int
+
+
+# --------------------------------------------------------------------------- the worker side
+
+
+class Relay:
+    """A worker's stand-in for the parent's progress bar and log: each tick, settle and line goes
+    to the parent, which shows it. Every message also tells the parent the worker is alive."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def tick(self, n: int = 1) -> None:
+        self.conn.send(("tick", n))
+
+    def settle(self, estimated: int, walked: int, ticked: int) -> None:
+        self.conn.send(("settle", estimated, walked, ticked))
+
+    def log(self, message: str) -> None:
+        self.conn.send(("log", message))
+
+
+def serve(conn, index: int, setup: WorkerSetup) -> None:
+    """One worker's life (the spawned process's target): load the model, say so, then walk each
+    ``audit.replay.Walk`` the parent sends until it sends None."""
+    try:
+        from audit.pipeline import pin_replay_environment
+
+        pin_replay_environment()  # before CUDA starts, as the audit's own process
+        import torch
+
+        from core import determinism
+        from core.models import load_model
+
+        from audit import replay
+
+        torch.set_num_threads(setup.threads)
+        model = load_model(setup.model, setup.device)
+        conn.send(("ready", model.identity, determinism.current()))
+        stepper, eos, relay = replay.PristineSerial(model), set(model.eos_token_ids), Relay(conn)
+        while (walk := conn.recv()) is not None:
+            conn.send(("done", replay.walk_one(stepper, walk, eos, relay, relay.log)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone, or stopping
+        return
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the replay
+        from core.dist import error_text
+
+        print(f"[worker {index}] {''.join(traceback.format_exception(exc)).rstrip()}", file=sys.stderr, flush=True)
+        try:
+            conn.send(("error", error_text(exc)))
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------- the parent side
+
+
+@dataclass
+class Worker:
+    index: int
+    process: object
+    conn: object
+    at: tuple | str | None  # (walk index, label) while walking, a stage while starting, None when idle
+    last: float  # monotonic time of its last message
+
+    def doing(self) -> str:
+        return f"on prompt {self.at[1]!r}" if isinstance(self.at, tuple) else f"while {self.at or 'idle'}"
+
+
+class WorkerPool:
+    """``opts.workers`` replay workers on ``device``, each loading ``model_spec``; ``walk`` is a
+    walker for ``audit.replay.replay_run`` and ``replay_shared``. A context manager: the workers
+    start (and load) on entry and are stopped on exit."""
+
+    def __init__(self, model_spec: str, device: str, identity: dict, opts: PoolOptions, log=None):
+        self.setup = WorkerSetup(model_spec, str(device), threads())
+        self.identity, self.opts, self.log = identity, opts, log
+        self.workers: list[Worker] = []
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.close(graceful=exc_type is None)
+        return False
+
+    def stall_limit(self, worker: Worker) -> float:
+        """Seconds without a message after which a busy worker is taken as hung."""
+        return self.opts.timeout_s
+
+    # ------------------------------------------------------------------ start and stop
+
+    def start(self) -> None:
+        from core import determinism
+
+        ctx = multiprocessing.get_context("spawn")
+        t0 = time.monotonic()
+        if self.log:
+            self.log(f"starting {self.opts.workers} replay workers on {self.setup.device}, each loading its own "
+                     f"copy of {self.setup.model} ...")
+        for index in range(self.opts.workers):
+            parent_end, child_end = ctx.Pipe()
+            process = ctx.Process(target=serve, args=(child_end, index, self.setup), daemon=True,
+                                  name=f"audit-replay-worker-{index}")
+            process.start()
+            child_end.close()
+            self.workers.append(Worker(index, process, parent_end, "loading the model", time.monotonic()))
+        mine = determinism.current()
+        while any(w.at is not None for w in self.workers):
+            for w, message in self.poll():
+                if message[0] != "ready":
+                    self.unexpected(w, message)
+                elif message[1] != self.identity:
+                    raise self.failure(w, f"loaded another model than the audit's (identity {message[1]} vs "
+                                          f"{self.identity})")
+                elif message[2] != mine:
+                    raise self.failure(w, f"runs in another configuration than the audit's "
+                                          f"({'; '.join(determinism.differences(message[2], mine))})")
+                else:
+                    w.at = None
+        if self.log:
+            self.log(f"{len(self.workers)} replay workers ready in {time.monotonic() - t0:.1f} s")
+
+    def close(self, graceful: bool) -> None:
+        """Stop every worker: told to finish after a replay that went well, killed otherwise."""
+        for w in self.workers:
+            if graceful:
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+            elif w.process.is_alive():
+                w.process.kill()
+        for w in self.workers:
+            w.process.join(CLOSE_S if graceful else None)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+        self.workers = []
+
+    # ------------------------------------------------------------------ walking
+
+    def walk(self, walks: list, bar=None, log=None):
+        """Every walk on some worker; yields (index, Walked) in the order they finish."""
+        todo = deque(enumerate(walks))
+        idle = deque(self.workers)
+        busy = 0
+        while todo or busy:
+            while todo and idle:
+                self.hand(idle.popleft(), *todo.popleft())
+                busy += 1
+            for w, message in self.poll():
+                kind = message[0]
+                if kind == "tick":
+                    if bar is not None:
+                        bar.tick(message[1])
+                elif kind == "settle":
+                    if bar is not None:
+                        bar.settle(*message[1:])
+                elif kind == "log":
+                    if log:
+                        log(f"{message[1]} [worker {w.index}]")
+                elif kind == "done" and isinstance(w.at, tuple):
+                    walked, (i, _) = message[1], w.at
+                    walked.worker, w.at = w.index, None
+                    idle.append(w)
+                    busy -= 1
+                    yield i, walked
+                else:
+                    self.unexpected(w, message)
+
+    def hand(self, w: Worker, i: int, walk) -> None:
+        w.at, w.last = (i, walk.label), time.monotonic()
+        try:
+            w.conn.send(walk)
+        except OSError:
+            raise self.died(w) from None
+
+    def poll(self) -> list[tuple[Worker, tuple]]:
+        """The messages the workers have sent, waiting up to POLL_S for one. A worker that reports
+        an error, dies, or stays silent past its limit while busy raises."""
+        ready = wait([*(w.conn for w in self.workers), *(w.process.sentinel for w in self.workers)], timeout=POLL_S)
+        out, now = [], time.monotonic()
+        for w in self.workers:
+            got = []
+            if w.conn in ready:
+                try:
+                    while w.conn.poll():
+                        got.append(w.conn.recv())
+                except (EOFError, OSError):
+                    pass  # its end is closed: what it sent is in, and its sentinel says it is gone
+            errors = [m for m in got if m[0] == "error"]
+            if errors:
+                raise self.failure(w, errors[0][1])
+            if got:
+                w.last = now
+                out += [(w, m) for m in got]
+            elif w.process.sentinel in ready:
+                raise self.died(w)
+            elif w.at is not None and now - w.last > self.stall_limit(w):
+                raise DistError(f"replay worker {w.index} made no progress for {self.stall_limit(w):g} s "
+                                f"{w.doing()}: it hung; nothing was written")
+        return out
+
+    # ------------------------------------------------------------------ failures
+
+    def failure(self, w: Worker, message: str) -> DistError:
+        return DistError(f"replay worker {w.index} failed {w.doing()}: {message}; nothing was written")
+
+    def died(self, w: Worker) -> DistError:
+        w.process.join(CLOSE_S)
+        code = w.process.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0 else
+               f"exited (exit code {code})" if code is not None else "closed its pipe")
+        return DistError(f"replay worker {w.index} {how} {w.doing()}; nothing was written")
+
+    def unexpected(self, w: Worker, message: tuple) -> None:
+        raise self.failure(w, f"sent {message[0]!r} out of turn")
+
+
+def threads() -> int:
+    """The parent's torch thread count, which each worker takes: a CPU reduction's bits may depend
+    on how many threads share it, so the workers compute what the lone replay computes."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def drop_weights(model) -> None:
+    """The audit's own copy of the weights moved to the meta device (its identity stays), so that
+    N workers hold N copies of the model on the device, not N + 1."""
+    import torch
+
+    for module in (model.backbone, model.mtp):
+        if module is not None:
+            module.to("meta")
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def replay_walker(model, model_spec: str, device: str, opts: PoolOptions, log=None):
+    """Where a replay's walks run: in this process on ``model`` for one worker; else on a pool of
+    ``opts.workers`` processes on ``device``, each loading ``model_spec`` (``model``'s weights are
+    dropped first, so it serves for its identity only afterwards)."""
+    from audit.replay import walk_here
+
+    if opts.workers <= 1:
+        yield walk_here(model)
+        return
+    identity = model.identity
+    drop_weights(model)
+    with WorkerPool(model_spec, device, identity, opts, log) as pool:
+        yield pool.walk

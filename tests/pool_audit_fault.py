@@ -1,0 +1,41 @@
+"""``audit replay --workers N`` whose replay worker fails on one prompt, for tests/test_audit_pool.py
+(run as a script). The audit has no plug-ins, so the fault is patched in at import: the workers
+are spawned, and a spawned process runs this script's top level too (as ``__mp_main__``), so
+``audit.replay.walk_one`` is patched in every worker. ``POOL_FAULT`` picks the fault on the walk of
+``POOL_FAULT_PROMPT`` (default ``prose-letter``, the second prompt: the second worker's first):
+
+  raise  a RuntimeError
+  hang   it never returns; the parent takes a walking worker as hung after HANG_LIMIT_S without
+         a message (a worker that loads its model keeps --dist-timeout: a slow start is no hang)
+  die    the worker exits at once with exit code 3, without a word
+"""
+import os
+import threading
+
+import audit.pool as pool
+import audit.replay as replay
+
+HANG_LIMIT_S = 2.0
+FAULT = os.environ.get("POOL_FAULT", "raise")
+TARGET = os.environ.get("POOL_FAULT_PROMPT", "prose-letter")
+real_walk_one = replay.walk_one
+
+
+def walk_one(stepper, walk, *args, **kwargs):
+    if walk.label == TARGET:
+        if FAULT == "hang":
+            threading.Event().wait()
+        if FAULT == "die":
+            os._exit(3)
+        raise RuntimeError("deliberate replay failure")
+    return real_walk_one(stepper, walk, *args, **kwargs)
+
+
+replay.walk_one = walk_one
+if FAULT == "hang":
+    pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if isinstance(w.at, tuple) else self.opts.timeout_s
+
+if __name__ == "__main__":
+    from audit.cli import main
+
+    main(prog_name="audit")
