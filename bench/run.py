@@ -24,6 +24,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               8 prompts x 96 tokens) at --workers 1, 2 and 4 on the one GPU: tokens/s per setting,
               and whether the audit.json documents agree (bench/replay_table.py)
+  cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
+              fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
+              audit replay, audit retime) beside a steady CPU hog (4 at once); two tables
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -153,6 +156,11 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return retime_steps(out / "retime")
     if name == "replay-throughput":
         return replay_throughput_steps(out / "replay")
+    if name == "cpu-verify":
+        return [Step("retimes", (PY, "bench/cpu_verify.py", "retimes", "--out", str(out / "retimes"), "--jobs", "4"),
+                     ok=(0, 1)),
+                Step("quickstarts", (PY, "bench/cpu_verify.py", "quickstarts", "--out", str(out / "quickstarts"),
+                                     "--jobs", "4", "--hogs", "1"), ok=(0, 1))]
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
@@ -160,8 +168,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "replay-throughput", "tests-cuda",
-        "suite")
+SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "replay-throughput", "cpu-verify",
+        "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 
