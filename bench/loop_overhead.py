@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     for name in args.decoders.split(","):
         dec = get_decoder(name)
         dec.prepare(model)
-        dec.ensure_capacity(len(prompt) + args.n + 64)  # the size its decode asks for: no rebuild under the stub
+        dec.reserve(len(prompt) + args.n)  # the size its decode asks for: no rebuild under the stub
         stub_steps(dec.runtime, prompt, token)
         us, res = loop_us(dec, prompt, args.n)
         extra = res.stats.extra or {}

@@ -7,7 +7,9 @@
 
 The tokens are exactly the decoder's, and for an exact decoder exactly serial greedy decoding's:
 stop right after the first EOS, or after ``max_new_tokens``. One generation runs at a time per
-``ExactDecoder`` (a lock serialises callers). docs/api.md describes it.
+``ExactDecoder`` (a lock serialises callers). A decoder with static state is sized up front for
+``max_positions`` (prompt + new tokens) and grows, before a generation's clock starts, when a
+request needs more. docs/api.md describes it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from core.errors import UserError
+from decoders.base import reserve_positions
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -57,10 +60,11 @@ class Generation:
 
 
 def open_decoder(model: str = "small", name: str = "spec", *, device: str | None = None,
-                 **decoder_args) -> "ExactDecoder":
+                 max_positions: int | None = None, **decoder_args) -> "ExactDecoder":
     """Pin the deterministic configuration, load ``model`` (a built-in name or a checkpoint
     directory) on ``device`` (default cuda if available, else cpu), build decoder ``name`` (a
-    registered name or ``package.module:attr``) with ``decoder_args`` and prepare it.
+    registered name or ``package.module:attr``) with ``decoder_args`` and prepare it, sized for
+    generations of up to ``max_positions`` prompt + new tokens (None: the decoder's default).
     Any bad input raises ``core.errors.UserError`` with one clear message."""
     from core import determinism  # imports torch: pinned before anything touches CUDA
     from core.models import load_model
@@ -68,6 +72,7 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
 
     determinism.pin()
     check_device(device)
+    check_positions(max_positions)
     if not isinstance(model, str) or not model:
         raise UserError(f"model must be a built-in name or a checkpoint directory, not {model!r}")
     decoder = get_decoder(name, **decoder_args)  # before the load: a bad name costs no model load
@@ -76,7 +81,16 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
         decoder.prepare(loaded)
     except ValueError as exc:
         raise UserError(f"decoder {name!r} cannot run on {loaded.name}: {exc}") from None
-    return ExactDecoder(decoder, loaded)
+    opened = ExactDecoder(decoder, loaded)
+    if max_positions is not None:
+        opened.reserve(max_positions)
+    return opened
+
+
+def check_positions(max_positions) -> None:
+    if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
+                                      or max_positions < 2):
+        raise UserError(f"max_positions must be an integer >= 2 (prompt + new tokens), not {max_positions!r}")
 
 
 def check_device(device: str | None) -> None:
@@ -110,6 +124,13 @@ class ExactDecoder:
     @property
     def name(self) -> str:
         return self.decoder.name
+
+    def reserve(self, positions: int) -> None:
+        """Size the decoder now for generations of up to ``positions`` prompt + new tokens
+        (``decoders.base.reserve_positions``; nothing for a decoder without static state)."""
+        check_positions(positions)
+        with self._lock:
+            reserve_positions(self.decoder, positions)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -175,11 +196,13 @@ class ExactDecoder:
         sequence is held back; whatever is held at the end comes in a last call with no ids).
         Setting ``cancel``, or raising ``Cancelled`` from ``on_token``, stops the decode at the
         next batch (``finish_reason`` "cancelled"); another exception from ``on_token``
-        propagates, and the decoder stays usable."""
+        propagates, and the decoder stays usable. A request longer than the decoder is sized for
+        grows it first, outside the generation's time."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
         ids = self.prompt_ids(prompt)
         with self._lock:
+            reserve_positions(self.decoder, len(ids) + max_new_tokens)
             return self._generate(ids, max_new_tokens, on_token, cancel)
 
     def _generate(self, ids, max_new_tokens, on_token, cancel) -> Generation:

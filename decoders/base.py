@@ -4,6 +4,11 @@ A decoder is one small object. ``prepare`` receives the loaded model (and may al
 state, capture graphs, measure costs); ``decode`` turns a prompt into at most ``max_new_tokens``
 new tokens, stopping right after an EOS token, and returns them with statistics. Exactness means
 the tokens equal what ``serial`` emits for the same prompt, always.
+
+A decoder with static state sized in positions may also take ``reserve(positions)``: whoever
+drives it (``harness time``, ``decoders.api``, ``harness serve``) calls it after ``prepare`` and
+before anything is timed, with the longest ``len(prompt_ids) + max_new_tokens`` it will ask for,
+so that no decode has to build state inside its own time.
 """
 from __future__ import annotations
 
@@ -80,11 +85,26 @@ class Decoder(Protocol):
         so "exact" keeps its meaning: the tokens equal ``serial``'s under the same sampler."""
 
     def config(self) -> dict:
-        """Settings that define this decoder's behaviour, recorded in the run header."""
+        """Settings that define this decoder's behaviour, recorded in the run header. A decoder's
+        sizing (how many positions its state holds, its bytes) goes under one key, ``sizing``:
+        it follows the lengths each process reserved, so ``audit retime`` does not compare it."""
+
+    # Optional: ``reserve(positions: int) -> None``: make room, now, for every decode whose
+    # ``len(prompt_ids) + max_new_tokens`` is at most ``positions`` (the decoder adds its own
+    # margins), so that none of them allocates or rebuilds static state; it never shrinks what is
+    # there. Called after ``prepare``, possibly again with more; a decode asked for more than was
+    # reserved may still grow its state itself, in its own time. ``reserve_positions`` calls it.
 
     # Optional, for benchmark instruments only (``instrument = True``, never scored by the audit):
     # ``prepare_prompt(prompt_ids, max_new_tokens)``, which the harness calls untimed before a
     # prompt's legs for an instrument and for nothing else.
+
+
+def reserve_positions(decoder, positions: int) -> None:
+    """``decoder.reserve(positions)`` where the decoder has one (see ``Decoder``); else nothing."""
+    reserve = getattr(decoder, "reserve", None)
+    if callable(reserve):
+        reserve(int(positions))
 
 
 def stop_index(tokens: list[int], eos: tuple[int, ...] | set[int], limit: int) -> int:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from core.errors import UserError
 from decoders.runtime import layers as L
 from decoders.runtime.graphs import capture_segments, run_segments
+from decoders.runtime.sizing import note_build
 
 
 class Unchecked:
@@ -48,6 +49,7 @@ class MTPDrafter:
         ``max_rows``: every catch-up of up to this many rows (a round's accepted rows + 1) runs as
         one CUDA graph pair; longer ones (after plain steps) run in chunks of LONG_CHUNKS rows or
         fewer. ``use_graphs``: default on a GPU; False runs the same functions eagerly."""
+        note_build()
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
         self.head, self.lm = head, lm

@@ -5,14 +5,18 @@ graphs over static state. It is the honest serial baseline a speculative decoder
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from decoders.base import DecodeResult, DecodeStats
 from decoders.runtime.runtime import ExactRuntime
+from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
 
 
 class FastSerialDecoder:
     name = "fast-serial"
+    margin = 1  # positions a decode needs beyond its prompt and new tokens
 
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity
@@ -21,25 +25,33 @@ class FastSerialDecoder:
 
     def prepare(self, model, capacity: int | None = None) -> None:
         self.model = model
-        cap = capacity or self.capacity or 4096
+        cap = capacity or self.capacity or DEFAULT_CAPACITY
         self.runtime = ExactRuntime(model, capacity=cap, windows=(1,))
 
     def config(self) -> dict:
         rt = self.runtime
-        return {"capacity": rt.capacity if rt else self.capacity, "graphs": bool(rt and rt.use_graphs),
+        sizing = {"capacity": rt.capacity, "static_bytes": rt.nbytes()} if rt else {"capacity": self.capacity}
+        return {"sizing": sizing, "graphs": bool(rt and rt.use_graphs),
                 "prefill": rt.prefill_how if rt else None, "calibration": rt.cal.to_json() if rt else None}
+
+    def reserve(self, positions: int) -> None:
+        """Room for every decode of ``len(prompt) + max_new_tokens <= positions`` (the protocol's)."""
+        self.ensure_capacity(positions + self.margin)
 
     def ensure_capacity(self, needed: int) -> ExactRuntime:
         """Static buffers are sized up front; a longer request gets a larger runtime (rounded up
-        to 1024 positions), never a silent overflow."""
+        to ``sizing.STEP`` positions), never a silent overflow. The old runtime's buffers and
+        graphs are released first, so that growing never holds both."""
         if needed > self.runtime.capacity:
-            self.runtime = ExactRuntime(self.model, capacity=-(-needed // 1024) * 1024, windows=(1,),
-                                        cal=self.runtime.cal)
+            cal = self.runtime.cal
+            self.runtime = None
+            gc.collect()  # graphs and closures may hold the old buffers in reference cycles
+            self.runtime = ExactRuntime(self.model, capacity=capacity_for(needed), windows=(1,), cal=cal)
         return self.runtime
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
-        rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + 1)
+        rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
         logits, _ = rt.prefill(prompt_ids)

@@ -32,6 +32,7 @@ together.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_size
                               shortlist_source)
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
+from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
 from decoders.trace import Trace, TraceRow
 from decoders.trace import load as load_trace
 
@@ -133,7 +135,7 @@ class SpecDecoder:
     name = "spec"
 
     def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
-                 explore_every: int = 64, capacity: int = 4096, head: str | None = None,
+                 explore_every: int = 64, capacity: int = DEFAULT_CAPACITY, head: str | None = None,
                  online_costs: bool = True):
         self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
@@ -165,23 +167,38 @@ class SpecDecoder:
         self.cost_reps = self.measure_costs()
         self.costs = Costs.from_reps(self.cost_reps)
 
+    @property
+    def margin(self) -> int:
+        """Positions a decode needs beyond its prompt and new tokens: the last round's window."""
+        return self.max_depth + 2
+
     def _build(self, capacity: int) -> None:
         old = self.runtime
+        cal = old.cal if old is not None else None
+        spread = old.eager_rows_on_lanes if old is not None else None
+        # the old buffers and graphs go before the new ones are allocated: growing never holds both
+        self.runtime = self.drafter = old = None
+        gc.collect()  # graphs and closures may hold the old buffers in reference cycles
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)),
-                                    cal=old.cal if old is not None else None, keep_rows=True)
-        if old is not None:  # what measure_costs chose holds for the larger runtime too
-            self.runtime.spread_eager_rows(old.eager_rows_on_lanes)
+                                    cal=cal, keep_rows=True)
+        if spread is not None:  # what measure_costs chose holds for the larger runtime too
+            self.runtime.spread_eager_rows(spread)
         path = self.shortlist_source()
         ids = load_shortlist(path, self.model.vocab_size) if path else None
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
         # after plain steps, run in chunks of graphed sizes
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1)
 
+    def reserve(self, positions: int) -> None:
+        """Room for every decode of ``len(prompt) + max_new_tokens <= positions`` (the protocol's),
+        the runtime's and the drafter's alike."""
+        self.ensure_capacity(positions + self.margin)
+
     def ensure_capacity(self, needed: int) -> None:
         """Static buffers are sized up front; a longer request gets larger ones (rounded up to
-        1024 positions), never a silent overflow."""
+        ``sizing.STEP`` positions), never a silent overflow."""
         if needed > self.runtime.capacity:
-            self._build(-(-needed // 1024) * 1024)
+            self._build(capacity_for(needed))
 
     def shortlist_source(self) -> str | None:
         """The ``shortlist`` argument, else the trained head's, else the checkpoint's, else none."""
@@ -248,6 +265,9 @@ class SpecDecoder:
                else int(self.drafter.shortlist.numel()),
                "explore_every": self.explore_every, "online_costs": self.online_costs}
         if self.runtime is not None:
+            rt, dr = self.runtime, self.drafter
+            cfg["sizing"] = {"capacity": rt.capacity, "static_bytes": rt.nbytes(),
+                             "drafter_capacity": dr.capacity, "drafter_bytes": dr.nbytes()}
             cfg["graphs"] = self.runtime.use_graphs
             cfg["prefill"] = self.runtime.prefill_how
             cfg["lanes"] = self.runtime.lanes.width
@@ -280,7 +300,7 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
-        self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.max_depth + 2)
+        self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy(len(prompt_ids))
         timer = PhaseTimer(self.model.device)
@@ -445,11 +465,16 @@ class InstrumentedSpecDecoder(SpecDecoder):
                         "trace_max_new_tokens": self.trace.max_new_tokens})
         return cfg
 
+    @property
+    def margin(self) -> int:
+        """Beyond a decode's own window: ``prepare_prompt`` runs the control max_depth + 1 tokens on."""
+        return 2 * self.max_depth + 3
+
     @torch.inference_mode()
     def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Compute the control's tokens for this prompt (exact runtime, serial), untimed."""
         n = max_new_tokens + self.max_depth + 1
-        self.ensure_capacity(len(prompt_ids) + n + self.max_depth + 2)
+        self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         rt = self.runtime
         logits, _ = rt.prefill(prompt_ids)
         tok = logits.argmax(-1).view(1, 1)

@@ -38,6 +38,7 @@ from core.prompts import load_prompts
 from core.schema import write_json_atomic
 from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
 from decoders.runtime.runtime import ExactRuntime
+from decoders.runtime.sizing import capacity_for
 
 FORMAT = "qwen35-exact/acceptance-trace/1"
 MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
@@ -149,7 +150,7 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     source = shortlist_source(model, shortlist, head)
     ids = load_shortlist(source, model.vocab_size) if source else None
     longest = max(len(p.token_ids) for p in prompts) + max_new_tokens + max_depth + 2
-    capacity = -(-longest // 1024) * 1024
+    capacity = capacity_for(longest)
     runtime = ExactRuntime(model, capacity=capacity, windows=(1,))
     drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1)
     eos = set(model.eos_token_ids)

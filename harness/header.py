@@ -70,6 +70,8 @@ def build_header(setup: Setup, settings: dict, opts: TimeOptions, ranks: list[di
                       "config": candidate.config(), "instrument": is_instrument(candidate)},
         "prompts": setup.prompt_info,
         "max_new_tokens": setup.max_new_tokens,
+        # the longest prompt + max_new_tokens: both decoders were sized for it before any leg
+        "reserved_positions": setup.positions,
         "legs": opts.legs,
         "warmup_tokens": opts.warmup_tokens,
         "seed": opts.seed,

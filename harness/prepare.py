@@ -11,14 +11,16 @@ import click
 
 from core.errors import UserError
 from decoders import get_decoder, parse_decoder_args
+from decoders.base import reserve_positions
 from harness.options import TimeOptions
 
 
 
 @dataclass
 class Setup:
-    """Everything a process needs before its first timed leg: both decoders prepared on the model,
-    the prompts with their warm-up prompts, and the run's clock and integrity watch."""
+    """Everything a process needs before its first timed leg: both decoders prepared on the model
+    and sized for the longest decode (``positions``), the prompts with their warm-up prompts, and
+    the run's clock and integrity watch."""
 
     control: object
     candidate: object
@@ -30,6 +32,7 @@ class Setup:
     prompt_info: dict
     warmups: dict  # prompt id -> warm-up token ids
     resident: dict
+    positions: int  # the longest len(prompt) + max_new_tokens, reserved in both decoders before timing
     clock: object
     watch: object
     violations: list = field(default_factory=list)  # found after prepare()
@@ -59,15 +62,20 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     dev = model.device
     max_new_tokens = opts.max_new_tokens or (512 if dev.type == "cuda" else 64)
     # both decoders are prepared before the prompt set is loaded, so prepare() cannot find the
-    # run's prompts in this process
-    resident = {role: resident_bytes(dec, model, dev) for role, dec in (("control", control), ("candidate", candidate))}
-    violations = watch.check("after prepare")
+    # run's prompts in this process; then each is sized for the longest decode, a number only
+    roles = {"control": control, "candidate": candidate}
+    resident = {role: allocated_by(lambda d=dec: d.prepare(model), dev) for role, dec in roles.items()}
     prompts, prompt_info = load_prompts(opts.prompts, model, opts.limit)
+    positions = max(len(p.token_ids) for p in prompts) + max_new_tokens
+    for role, dec in roles.items():
+        grown = allocated_by(lambda d=dec: reserve_positions(d, positions), dev)
+        resident[role] = None if grown is None else max(0, resident[role] + grown)
+    violations = watch.check("after prepare")
     warmups = {p.id: warmup_ids(opts.seed, i, len(p.token_ids), model.vocab_size, p.token_ids)
                for i, p in enumerate(prompts)}
     torch.manual_seed(opts.seed)
     return Setup(control, candidate, kwargs, model, dev, max_new_tokens, prompts, prompt_info, warmups, resident,
-                 clock, watch, violations, control_code)
+                 positions, clock, watch, violations, control_code)
 
 
 def check_control_code(log) -> dict:
@@ -92,15 +100,16 @@ def check_prompt_set(spec: str | None) -> None:
                     f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
 
 
-def resident_bytes(decoder, model, dev):
-    """Prepare ``decoder`` and return the device memory it keeps allocated (None off CUDA)."""
+def allocated_by(action, dev):
+    """Run ``action()`` (a decoder's prepare or reserve) and return the device memory it left
+    allocated, in bytes, negative where it freed more (None off CUDA)."""
     import torch  # heavy: loads only when a command runs
 
     if dev.type != "cuda":
-        decoder.prepare(model)
+        action()
         return None
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    decoder.prepare(model)
+    action()
     torch.cuda.synchronize(dev)
-    return max(0, torch.cuda.memory_allocated(dev) - before)
+    return torch.cuda.memory_allocated(dev) - before

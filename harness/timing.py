@@ -7,6 +7,9 @@ token ids drawn from the run's seed and the prompt's index, never from the promp
 leg is timed around the whole decode with the device synchronised on both ends; CUDA legs also
 record the allocator's peak. Every raw value goes to the stream; the ratio of a prompt counts the
 candidate's first leg (``core.schema.prompt_ratio``), so its first encounter with the prompt.
+A leg whose decode built a runtime (``decoders.runtime.sizing.builds`` moved: static state and
+graphs allocated inside the timed decode, because the decoder was not sized for it beforehand)
+is followed by a ``violation`` record, which fails the audit: its time measures a build.
 
 In-process integrity: ``Watch`` notes, when the run begins, the determinism settings, the default
 dtype, the clock and its ``time.perf_counter``, the functions and classes of the harness and of
@@ -52,6 +55,7 @@ import torch
 
 from core import determinism
 from core.schema import abba_roles, prompt_ratio
+from decoders.runtime.sizing import builds as runtime_builds
 
 
 @dataclass(frozen=True)
@@ -393,17 +397,35 @@ def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, 
         records += watch.check(f"after the warm-up of prompt {prompt.id}", clock, records)
     seen = {"control": 0, "candidate": 0}
     for order, role in enumerate(abba_roles(legs)):
+        built = runtime_builds()
         leg = timed_decode(decoders[role], prompt.token_ids, max_new_tokens, device, clock)
+        built = runtime_builds() - built
         rec = {"type": "leg", "prompt_id": prompt.id, "role": role, "leg": seen[role], "order": order, **leg}
         seen[role] += 1
         records.append(rec)
         if watch is not None:
             watch.note_record(rec)
+        if built:
+            violation = built_in_leg(rec, built)
+            records.append(violation)
+            if watch is not None:
+                watch.note_record(violation)
+        if watch is not None:
             records += watch.check(f"after leg {role}#{rec['leg']} of prompt {prompt.id}", clock, records)
         if on_leg:
             on_leg(rec)
     # the harness's own copies: what it measured, whatever a decoder did to the list it held
     return records if watch is None else list(watch.ledger)
+
+
+def built_in_leg(rec: dict, built: int) -> dict:
+    """The violation record of a leg whose decode built runtimes (``decoders.runtime.sizing``):
+    its time includes allocating static state and capturing graphs, which ``reserve`` exists to
+    do before timing, so the leg measures a build, not a decode."""
+    return {"type": "violation", "at": f"in leg {rec['role']}#{rec['leg']} of prompt {rec['prompt_id']}",
+            "problem": f"the {rec['role']} built {built} runtime(s) (static state and graphs) inside this timed "
+                       "leg, so the leg's time includes the build: the decoder did not reserve room for this "
+                       "decode before timing (reserve() in decoders.base)"}
 
 
 def summarize_prompt(prompt_id: str, legs: list[dict]) -> dict:

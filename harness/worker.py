@@ -6,7 +6,9 @@ reach the timing or the other side. Protocol, one JSON object per line:
 
   start    pin the deterministic configuration, load the model, build the decoder
            (``decoders.get_decoder``, with ``--decoder-args`` / ``--decoder-arg``), run its
-           ``prepare()``, then print ``{"ready": true, "decoder": NAME, "config": {...},
+           ``prepare()`` and, with ``--positions N``, its ``reserve(N)`` (room for every request of
+           ``len(prompt_ids) + max_new_tokens <= N``: no request builds state in its own time),
+           then print ``{"ready": true, "decoder": NAME, "config": {...},
            "instrument": BOOL, "device": ...}``: what the decoder itself says of its name, its
            config and whether it is an instrument (``harness.timing.is_instrument``), which the
            audit holds against the stream's header; on a setup failure print ``{"error": "..."}``
@@ -39,6 +41,7 @@ from core.continues import ContinueCounter
 from core.errors import UserError
 from core.models import load_model
 from decoders import get_decoder, parse_decoder_args
+from decoders.base import reserve_positions
 from harness.timing import is_instrument
 
 
@@ -48,12 +51,14 @@ def reply(channel, obj: dict, continues: ContinueCounter) -> None:
     channel.flush()
 
 
-def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict):
-    """The model and the prepared decoder."""
+def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict, positions: int | None = None):
+    """The model and the prepared decoder, sized for ``positions`` when given."""
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
     decoder = get_decoder(decoder_spec, **kwargs)
     model = load_model(model_spec, device)
     decoder.prepare(model)
+    if positions is not None:
+        reserve_positions(decoder, positions)
     return model, decoder
 
 
@@ -88,7 +93,9 @@ def serve(channel, model, decoder, continues: ContinueCounter) -> None:
               help="Constructor arguments as a JSON object (as the stream header records them).")
 @click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
               help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
-def main(model_spec, device, decoder_spec, args_json, decoder_args):
+@click.option("--positions", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Reserve room for every request of len(prompt_ids) + max_new_tokens <= N before the ready line.")
+def main(model_spec, device, decoder_spec, args_json, decoder_args, positions):
     """Serve decode requests for one decoder on stdin/stdout (see the module docstring)."""
     continues = ContinueCounter().install()  # for the life of this process
     determinism.pin()  # before anything touches CUDA, as harness time and the audit do
@@ -98,7 +105,7 @@ def main(model_spec, device, decoder_spec, args_json, decoder_args):
         if not isinstance(kwargs, dict):
             raise UserError(f"--decoder-args must be a JSON object, not {args_json!r}")
         kwargs.update(parse_decoder_args(decoder_args))
-        model, decoder = setup(model_spec, device, decoder_spec, kwargs)
+        model, decoder = setup(model_spec, device, decoder_spec, kwargs, positions)
     except (UserError, json.JSONDecodeError) as exc:  # a bug's traceback goes to stderr as it is
         reply(channel, {"error": str(exc)}, continues)
         sys.exit(2)

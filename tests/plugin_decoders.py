@@ -120,3 +120,24 @@ NOT_A_DECODER = 42
 
 def make_nothing():
     return None
+
+
+class Unreserved:
+    """``fast-serial`` sized for 16 positions and without ``reserve``: every longer decode builds a
+    larger runtime inside its own time, which the harness must flag."""
+
+    name = "unreserved"
+
+    def __init__(self):
+        from decoders.fast_serial import FastSerialDecoder
+
+        self.inner = FastSerialDecoder(capacity=16)
+
+    def prepare(self, model) -> None:
+        self.inner.prepare(model)
+
+    def config(self) -> dict:
+        return {}
+
+    def decode(self, prompt_ids, max_new_tokens) -> DecodeResult:
+        return self.inner.decode(prompt_ids, max_new_tokens)

@@ -137,7 +137,8 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     audit_continues = ContinueCounter().install()
     clock = PerfClock()
     try:
-        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox)
+        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
+                                positions=longest_request(draw, ctx.max_new_tokens))
         findings += sandbox_findings(workers["candidate"].launch.sandbox)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
@@ -163,6 +164,12 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
         if was_reaper is False:
             set_subreaper(False)
     return workers, measured, gpu, provenance
+
+
+def longest_request(draw: Draw, max_new_tokens: int) -> int:
+    """The longest prompt + N a worker will be sent (every look, spares and warm-ups included)."""
+    prompts = [q for fp in (*draw.first, *draw.second) for q in (fp, fp.spare) if q is not None]
+    return max(max(len(q.token_ids), len(q.warmup_ids)) for q in prompts) + max_new_tokens
 
 
 def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:

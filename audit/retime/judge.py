@@ -105,10 +105,13 @@ def canonical(value) -> str:
 
 
 def settled(config):
-    """A config without what a process measures for itself: keys ending in ``_s`` (seconds, such as
-    spec's cost estimates) differ honestly between the harness's process and a worker's."""
+    """A config without what a process measures or sizes for itself: keys ending in ``_s``
+    (seconds, such as spec's cost estimates) and ``sizing`` (the positions its state holds, which
+    follow the longest decode each process reserved) differ honestly between the harness's
+    process and a worker's."""
     if isinstance(config, dict):
-        return {k: settled(v) for k, v in config.items() if not (isinstance(k, str) and k.endswith("_s"))}
+        return {k: settled(v) for k, v in config.items()
+                if not (isinstance(k, str) and (k.endswith("_s") or k == "sizing"))}
     if isinstance(config, list):
         return [settled(v) for v in config]
     return config

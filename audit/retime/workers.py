@@ -54,12 +54,13 @@ class Side:
         return " ".join([self.spec] + ([json.dumps(self.args)] if self.args else []) + list(self.raw_args))
 
 
-def worker_command(side: Side, model_spec: str, device: str) -> list[str]:
+def worker_command(side: Side, model_spec: str, device: str, positions: int | None = None) -> list[str]:
     """The command line of one side's worker (``start_worker`` runs it, in the sandbox for the
     candidate). Isolated: no PYTHONPATH, no user site; a trusted plug-in keeps PYTHONPATH, where
-    it is found."""
+    it is found. ``positions``: the longest prompt + N it will be sent, reserved before it is ready."""
+    sized = ["--positions", str(positions)] if positions is not None else []
     return [sys.executable, "-s" if side.plugin else "-I", "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
-            "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
+            *sized, "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
             *(f"--decoder-arg={a}" for a in side.raw_args)]
 
 
@@ -228,23 +229,25 @@ def shared_cpus() -> str | None:
 
 
 def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter,
-                 sandboxed: bool) -> Worker:
+                 sandboxed: bool, positions: int | None = None) -> Worker:
     """One side's worker, started cold (not yet ready); the candidate's in the sandbox when
     ``sandboxed``."""
     log(f"starting the {side.role}'s worker: {side.describe()}")
-    return Worker(side.role, worker_command(side, model_spec, device), audit_continues,
+    return Worker(side.role, worker_command(side, model_spec, device, positions), audit_continues,
                   sandboxed=sandboxed and side.role == "candidate")
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str,
-                  audit_continues: ContinueCounter, sandboxed: bool = True) -> dict[str, Worker]:
-    """Both sides cold, in processes of their own, each ready; the audit's children from before
-    are no one's orphans."""
+                  audit_continues: ContinueCounter, sandboxed: bool = True,
+                  positions: int | None = None) -> dict[str, Worker]:
+    """Both sides cold, in processes of their own, each ready (sized for ``positions``: the longest
+    prompt + N they will be sent, so that no timed request pays for growing); the audit's children
+    from before are no one's orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
     workers = {}
     try:
         for side in sides:
-            workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed)
+            workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed, positions)
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():

@@ -20,6 +20,7 @@ from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
 from decoders.runtime.prefill import choose_prefill, control_forward, prefill_forward
 from decoders.runtime.program import WindowProgram
+from decoders.runtime.sizing import note_build
 from decoders.runtime.state import StaticState
 
 
@@ -27,6 +28,7 @@ class ExactRuntime:
     def __init__(self, model, capacity: int, windows=(1,), cal: Calibration | None = None,
                  use_graphs: bool | None = None, lanes: int | None = None, lane_priority: bool = True,
                  keep_rows: bool = False):
+        note_build()
         self.model = model
         lm = model.backbone
         self.device = model.device
@@ -74,6 +76,12 @@ class ExactRuntime:
             cos_rows.append(cos.reshape(-1))
             sin_rows.append(sin.reshape(-1))
         return torch.stack(cos_rows), torch.stack(sin_rows)
+
+    def nbytes(self) -> int:
+        """Bytes of the state sized by the capacity: ``StaticState`` and the RoPE table (not the
+        window programs' workspaces, which live in the graph pool and do not grow with it)."""
+        rope = (*self.rope, self._arange)
+        return self.state.nbytes() + sum(t.numel() * t.element_size() for t in rope)
 
     @torch.inference_mode()
     def program(self, w: int, capture: bool) -> WindowProgram:

@@ -33,6 +33,10 @@ from harness.serve.options import ServeOptions
               show_default=True, metavar="N",
               help="Largest max_tokens a request may ask for (more is answered 400). A request that "
                    "names none gets min(256, N).")
+@click.option("--max-context", type=click.IntRange(min=2), default=ServeOptions.max_context, show_default=True,
+              metavar="N",
+              help="Longest request, prompt tokens + max_tokens (longer is answered 400). The decoder's "
+                   "static state is sized for it at start, so no request waits for it to grow.")
 @click.option("--record", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Append every finished request's prompt and output token ids to FILE as one JSON line "
                    "in `audit tokens` shape (a), so that the answers can be audited afterwards. "

@@ -22,14 +22,18 @@ def run_serve(opts: ServeOptions) -> None:
     """Serve until interrupted. Every user mistake (a bad model, decoder, device, address or
     record path) is a UserError before anything listens."""
     args = parse_decoder_args(opts.decoder_args)
+    if opts.max_new_tokens_limit >= opts.max_context:
+        raise UserError(f"--max-new-tokens-limit {opts.max_new_tokens_limit} leaves no room for a prompt in "
+                        f"--max-context {opts.max_context}: give a larger --max-context")
     if opts.record is not None:
         check_record_path(opts.record)  # before the load: a typo costs no model load
-    dec = open_decoder(opts.model, opts.decoder, device=opts.device, **args)
+    # sized once for the longest request the server takes: no request waits for the state to grow
+    dec = open_decoder(opts.model, opts.decoder, device=opts.device, max_positions=opts.max_context, **args)
     on_finished = recorder(opts.record, dec) if opts.record is not None else None
     name = opts.served_model_name or dec.model.name
     limits = Limits(served_model_name=name, default_max_tokens=opts.default_max_tokens,
                     max_new_tokens_limit=opts.max_new_tokens_limit, vocab_size=dec.model.vocab_size)
-    worker = DecodeWorker(dec, opts.queue_size, on_finished=on_finished)
+    worker = DecodeWorker(dec, opts.queue_size, on_finished=on_finished, max_context=opts.max_context)
     app = create_app(dec, limits, worker)
     sock = listen(opts.host, opts.port)
     setup_logging()

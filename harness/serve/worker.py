@@ -50,11 +50,13 @@ class Counters:
 
 class DecodeWorker:
     """The queue and the thread. ``on_finished(job, generation)`` runs on the worker thread after each
-    decode that finished (not cancelled), before the next starts (the --record writer)."""
+    decode that finished (not cancelled), before the next starts (the --record writer). A job whose
+    prompt + max_new_tokens exceeds ``max_context`` (None: no bound) fails with a UserError."""
 
     def __init__(self, decoder, queue_size: int, on_finished: Callable | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, max_context: int | None = None):
         self.decoder = decoder
+        self.max_context = max_context
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.on_finished = on_finished
         self.clock = clock
@@ -145,6 +147,9 @@ class DecodeWorker:
             ids = list(job.prompt)
         if not ids:
             raise UserError("the prompt encodes to no tokens: greedy decoding needs at least one")
+        if self.max_context is not None and len(ids) + job.max_new_tokens > self.max_context:
+            raise UserError(f"the prompt's {len(ids)} tokens + max_tokens {job.max_new_tokens} exceed this server's "
+                            f"context of {self.max_context} tokens (--max-context)")
         return list(ids)
 
     def _record(self, job: Job, gen) -> None:
