@@ -14,6 +14,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
               GPU: fast-serial and spec against the control, and spec side by side against fast-serial
+  context     bench/context_bench.py on synthetic-9b: decode ms/token and peak memory against context
+              (512 to 32k: prompt + 256 new tokens), the control, fast-serial and the instrument at alpha
+              0.6 and 0.85 side by side in one process, each sized for 32k before timing
   serve       bench/serve_bench.py on synthetic-9b: time to first token and tokens/s of `spec` through
               `harness serve` (the openai client), `harness generate` and `harness time`, side by side,
               every answer compared with the recorded serial tokens
@@ -149,6 +152,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "small-real":
         return spec_bench_steps(str(out / "small-real"), configs or list(SMALL_CONFIGS),
                                 ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
+    if name == "context":
+        return [Step("context", (PY, "bench/context_bench.py", "--model", "synthetic-9b", "--out", str(out / "context")))]
     if name == "serve":
         return [Step("serve", (PY, "bench/serve_bench.py", "--model", "synthetic-9b", "--decoder", "spec",
                                "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
@@ -168,8 +173,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "serve", "retime-9b", "replay-throughput", "cpu-verify",
-        "tests-cuda", "suite")
+SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "retime-9b", "replay-throughput",
+        "cpu-verify", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 

@@ -23,6 +23,7 @@ from harness.serve.worker import DecodeWorker, recorder  # noqa: E402
 from serve_fakes import BOUND, FakeDecoder, ThreadServer  # noqa: E402
 
 LIMIT = 32
+CONTEXT = 200  # the server's --max-context
 
 
 class TrackingWorker(DecodeWorker):
@@ -57,7 +58,7 @@ class RefusingFake(FakeDecoder):
 def served(tmp_path_factory):
     fake = RefusingFake()
     record = tmp_path_factory.mktemp("serve") / "record.jsonl"
-    worker = TrackingWorker(fake, queue_size=1, on_finished=recorder(record, fake))
+    worker = TrackingWorker(fake, queue_size=1, on_finished=recorder(record, fake), max_context=CONTEXT)
     limits = Limits(served_model_name="fake-model", default_max_tokens=4, max_new_tokens_limit=LIMIT, vocab_size=100)
     server = ThreadServer(create_app(fake, limits, worker))
     yield server, fake, worker, record
@@ -145,6 +146,8 @@ BAD = [
     (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, "max_tokens=0: must be between 1 and 32"),
     (COMPLETIONS, {"prompt": "a", "max_tokens": LIMIT + 1}, "max-new-tokens-limit"),
     (COMPLETIONS, {"prompt": "a", "max_tokens": "4"}, "max_tokens"),
+    (COMPLETIONS, {"prompt": [10] * (CONTEXT - 20), "max_tokens": 21}, f"exceed this server's context of {CONTEXT}"),
+    (COMPLETIONS, {"prompt": [10] * (CONTEXT - 20), "max_tokens": 20}, None),  # exactly the context
     (COMPLETIONS, {"prompt": "a", "max_tokens": True}, "max_tokens"),
     (COMPLETIONS, {"prompt": "a", "temperature": 0.7}, "sampling is not implemented"),
     (COMPLETIONS, {"prompt": "a", "top_p": 0.9}, "sampling is not implemented"),

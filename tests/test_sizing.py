@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from audit import checks
 from audit.stream import load_run
+from core.errors import UserError
 from core.schema import read_stream
+from decoders.api import ExactDecoder, open_decoder
 from decoders.base import reserve_positions
 from decoders.fast_serial import FastSerialDecoder
 from decoders.runtime import sizing
@@ -122,3 +124,54 @@ def test_harness_time_flags_a_runtime_built_inside_a_timed_leg(tmp_path):
     assert "built 1 runtime(s)" in violations[0]["problem"]
     found = checks.check_violations(load_run(out / "stream.jsonl"))
     assert [f["severity"] for f in found] == ["fail"] and "inside this timed leg" in found[0]["message"]
+
+
+# --------------------------------------------------------------------------- the API, the retime worker
+
+
+def test_the_api_grows_a_decoder_before_the_generation_clock_starts(endless, long_case):
+    prompt, want = long_case
+    fast = FastSerialDecoder()
+    fast.prepare(endless)
+    seen = []  # the runtimes built so far, at each read of the generation's clock
+
+    def clock() -> float:
+        seen.append(sizing.builds())
+        return float(len(seen))
+
+    dec = ExactDecoder(fast, endless, clock=clock)
+    built = sizing.builds()
+    assert dec.generate(prompt, LONG_N).token_ids == want
+    assert sizing.builds() == built + 1 and seen and set(seen) == {built + 1}
+    assert dec.generate(prompt, LONG_N).token_ids == want  # room reserved by the first: no build
+    assert sizing.builds() == built + 1
+
+
+def test_open_decoder_sizes_for_max_positions():
+    dec = open_decoder("tiny", "fast-serial", device="cpu", max_positions=5000)
+    assert dec.decoder.runtime.capacity == sizing.capacity_for(5001)
+    with pytest.raises(UserError, match="max_positions"):
+        open_decoder("tiny", "fast-serial", device="cpu", max_positions=0)
+
+
+def test_the_retime_worker_reserves_its_positions():
+    from harness.worker import setup
+
+    _, dec = setup("tiny", "cpu", "fast-serial", {}, positions=5000)
+    assert dec.runtime.capacity == sizing.capacity_for(5001)
+
+
+def test_retime_sizes_workers_for_the_longest_fresh_request_and_ignores_sizing_in_configs():
+    from audit.retime.command import longest_request
+    from audit.retime.fresh import Draw, FreshPrompt
+    from audit.retime.judge import settled
+    from audit.retime.workers import recorded_sides, worker_command
+
+    fp = lambda n, spare=None: FreshPrompt(f"f{n}", [5] * n, [6] * n, "p", spare)  # noqa: E731
+    draw = Draw([fp(10), fp(30, spare=fp(70))], [fp(50)], {})
+    assert longest_request(draw, 8) == 78
+    header = {"control": {"name": "serial"}, "candidate": {"name": "fast-serial", "spec": "fast-serial", "args": {}}}
+    command = worker_command(recorded_sides(header, False)[1], "tiny", "cpu", 78)
+    assert command[command.index("--positions") + 1] == "78"
+    config = {"sizing": {"capacity": 4096}, "graphs": False, "costs_s": {"step": 1.0}}
+    assert settled(config) == {"graphs": False}

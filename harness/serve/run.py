@@ -22,9 +22,6 @@ def run_serve(opts: ServeOptions) -> None:
     """Serve until interrupted. Every user mistake (a bad model, decoder, device, address or
     record path) is a UserError before anything listens."""
     args = parse_decoder_args(opts.decoder_args)
-    if opts.max_new_tokens_limit >= opts.max_context:
-        raise UserError(f"--max-new-tokens-limit {opts.max_new_tokens_limit} leaves no room for a prompt in "
-                        f"--max-context {opts.max_context}: give a larger --max-context")
     if opts.record is not None:
         check_record_path(opts.record)  # before the load: a typo costs no model load
     # sized once for the longest request the server takes: no request waits for the state to grow

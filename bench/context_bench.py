@@ -1,0 +1,279 @@
+"""ms/token against context length: the control, fast-serial and the instrument side by side, one process.
+
+    python bench/context_bench.py --out DIR [--model synthetic-9b] [--contexts 512,2048,8192,16384,32768]
+                                  [-n 256] [--control-n 32] [--alphas 0.6,0.85] [--legs 1] [--shortlist FILE]
+
+The model is built once. Every decoder (``serial``, the control; ``fast-serial``; ``spec-instrument``
+at each alpha) is prepared once and sized (``reserve``) for the longest context before anything
+is timed. Per context C, one prompt of C - N random ids (seeded by C) and a warm-up prompt of the
+same length: each decoder decodes the warm-up (untimed; an instrument's ``prepare_prompt`` too),
+then its legs run, the decoders' order reversed on every other leg. A leg is one whole decode,
+synchronised on both ends, split at its first emitted token (``on_tokens``): ``prefill s`` is the
+time to it, ``decode ms/tok`` the rest over the tokens after it. The control decodes only
+``--control-n`` tokens (its eager step costs ~80 ms on the 9B shape); ratios are of decode ms/tok.
+
+Every decoder's tokens are compared with fast-serial's (the control's with its first
+``--control-n``); every leg counts the runtimes built during it (``decoders.runtime.sizing``),
+which must be none. Peak memory is each leg's ``torch.cuda.max_memory_allocated`` less the other
+decoders' resident bytes (all live in this process): the model, the decoder's own state and the
+leg's transients. DIR/context.json keeps every leg; DIR/context.png plots decode ms/tok against
+context. The markdown table is printed last. ``--model tiny`` (CPU) checks the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never these prompts
+CONTEXTS = {"synthetic-9b": (512, 2048, 8192, 16384, 32768), "tiny": (64, 256, 1024)}
+NEW_TOKENS = {"synthetic-9b": 256, "tiny": 16}
+CONTROL_TOKENS = {"synthetic-9b": 32, "tiny": 16}
+WARMUP_TOKENS = 4
+REFERENCE = "fast-serial"
+CONTROL = "serial"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="synthetic-9b")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--contexts", default=None, help="comma-separated context lengths (prompt + N)")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=None)
+    ap.add_argument("--control-n", type=int, default=None, help="new tokens of the control's legs (0: no control)")
+    ap.add_argument("--alphas", default="0.6,0.85", help="the instrument's acceptance levels")
+    ap.add_argument("--legs", type=int, default=1)
+    ap.add_argument("--shortlist", default=None, help=f"the instruments' draft shortlist (synthetic-9b: {SHORTLIST_9B})")
+    args = ap.parse_args(argv)
+    args.contexts = ([int(c) for c in args.contexts.split(",") if c] if args.contexts
+                     else list(CONTEXTS.get(args.model, CONTEXTS["tiny"])))
+    args.max_new_tokens = args.max_new_tokens or NEW_TOKENS.get(args.model, 16)
+    args.control_n = CONTROL_TOKENS.get(args.model, 16) if args.control_n is None else args.control_n
+    args.alphas = [float(a) for a in args.alphas.split(",") if a]
+    if args.shortlist is None and args.model == "synthetic-9b":
+        args.shortlist = SHORTLIST_9B
+    if min(args.contexts) <= args.max_new_tokens:
+        ap.error(f"every context must exceed N={args.max_new_tokens} (it holds the prompt and the new tokens)")
+    return args
+
+
+def synchronize(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def allocated(dev) -> int:
+    import torch
+
+    synchronize(dev)
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+
+def build_decoders(model, args) -> tuple[dict, dict]:
+    """name -> prepared decoder sized for the longest context, and name -> resident bytes."""
+    from decoders import get_decoder
+    from decoders.base import reserve_positions
+    from decoders.runtime.sizing import capacity_for
+
+    # built at the size reserve() then finds (one build each, not two); margins up to 64 positions
+    sized = {"capacity": capacity_for(max(args.contexts) + 64)}
+    specs = {REFERENCE: ("fast-serial", sized)}
+    if args.control_n > 0:
+        specs = {CONTROL: ("serial", {}), **specs}
+    extra = {"shortlist": args.shortlist} if args.shortlist else {}
+    specs.update({f"inst-{a:g}": ("spec-instrument", {"alpha": a, **sized, **extra}) for a in args.alphas})
+    decoders, resident = {}, {}
+    for name, (spec, kwargs) in specs.items():
+        before, t0 = allocated(model.device), time.perf_counter()
+        dec = get_decoder(spec, **kwargs)
+        dec.prepare(model)
+        reserve_positions(dec, max(args.contexts))
+        decoders[name], resident[name] = dec, allocated(model.device) - before
+        sizing = dec.config().get("sizing") or {}
+        print(f"prepared {name} in {time.perf_counter() - t0:.1f} s: {sizing or 'no static state'}, "
+              f"resident {resident[name] / 2**20:.0f} MiB", flush=True)
+    return decoders, resident
+
+
+def context_prompts(vocab: int, context: int, n: int) -> tuple[list[int], list[int]]:
+    """The timed prompt and the warm-up prompt of one context: C - N random ids each."""
+    rng = random.Random(f"qwen35-exact/context-bench/{context}")
+    draw = lambda: [rng.randrange(vocab) for _ in range(context - n)]  # noqa: E731
+    return draw(), draw()
+
+
+def time_leg(decoder, prompt: list[int], n: int, dev) -> dict:
+    """One whole decode, split at its first emitted batch; the runtimes built during it."""
+    import torch
+
+    from decoders.runtime.sizing import builds
+
+    first = []  # (time, tokens) of the first emitted batch: the prefill's token is read by then
+
+    def on_tokens(new):
+        if not first:
+            first.append((time.perf_counter(), len(new)))
+
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    synchronize(dev)
+    built, t0 = builds(), time.perf_counter()
+    result = decoder.decode(prompt, n, on_tokens=on_tokens)
+    synchronize(dev)
+    t1 = time.perf_counter()
+    t_first, first_len = first[0] if first else (t1, len(result.tokens))
+    rest = len(result.tokens) - first_len
+    return {"tokens": list(result.tokens), "wall_s": t1 - t0, "prefill_s": t_first - t0,
+            "decode_ms_per_token": 1e3 * (t1 - t_first) / rest if rest > 0 else None,
+            "peak_bytes": int(torch.cuda.max_memory_allocated(dev)) if cuda else None,
+            "built": builds() - built}
+
+
+def run_context(context: int, decoders: dict, resident: dict, model, args) -> list[dict]:
+    prompt, warm = context_prompts(model.vocab_size, context, args.max_new_tokens)
+    n_of = {name: args.control_n if name == CONTROL else args.max_new_tokens for name in decoders}
+    for name, dec in decoders.items():  # untimed: the warm-up, an instrument's preparation
+        if getattr(dec, "instrument", False) is True:
+            dec.prepare_prompt(prompt, n_of[name])
+        dec.decode(warm, WARMUP_TOKENS)
+    legs = []
+    for k in range(args.legs):
+        order = list(decoders) if k % 2 == 0 else list(reversed(decoders))
+        for name in order:
+            leg = time_leg(decoders[name], prompt, n_of[name], model.device)
+            others = sum(b for o, b in resident.items() if o != name)
+            own = None if leg["peak_bytes"] is None else leg["peak_bytes"] - others
+            legs.append({"context": context, "prompt_tokens": len(prompt), "decoder": name, "leg": k,
+                         "own_peak_bytes": own, **leg})
+            print(f"context {context}: {name} leg {k}: prefill {leg['prefill_s']:.3f} s, decode "
+                  f"{fmt(leg['decode_ms_per_token'], '.2f')} ms/tok, {len(leg['tokens'])} tokens", flush=True)
+    return legs
+
+
+def summarize(legs: list[dict], resident: dict, decoders: dict) -> list[dict]:
+    """One row per (context, decoder): medians over its legs, exactness against fast-serial's tokens."""
+    import statistics
+
+    rows = []
+    for context in sorted({leg["context"] for leg in legs}):
+        mine = [leg for leg in legs if leg["context"] == context]
+        ref = next(leg["tokens"] for leg in mine if leg["decoder"] == REFERENCE)
+        by_name = {}
+        for leg in mine:
+            by_name.setdefault(leg["decoder"], []).append(leg)
+        ms = {name: median([x["decode_ms_per_token"] for x in ls]) for name, ls in by_name.items()}
+        for name, ls in by_name.items():
+            peaks = [x["own_peak_bytes"] for x in ls if x["own_peak_bytes"] is not None]
+            rows.append({
+                "context": context, "decoder": name, "prompt_tokens": ls[0]["prompt_tokens"],
+                "tokens": len(ls[0]["tokens"]), "prefill_s": statistics.median(x["prefill_s"] for x in ls),
+                "decode_ms_per_token": ms[name],
+                "vs_fast_serial": ratio(ms.get(REFERENCE), ms[name]), "vs_control": ratio(ms.get(CONTROL), ms[name]),
+                "own_peak_bytes": max(peaks) if peaks else None, "resident_bytes": resident[name],
+                "capacity": (decoders[name].config().get("sizing") or {}).get("capacity"),
+                "exact": all(x["tokens"] == ref[:len(x["tokens"])] for x in ls),
+                "built": sum(x["built"] for x in ls)})
+    return rows
+
+
+def median(values):
+    import statistics
+
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(reference, ms):
+    return None if reference is None or not ms else reference / ms
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict], args) -> None:
+    gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    print(f"\n{args.model}, N={args.max_new_tokens} (control: {args.control_n}), {args.legs} leg(s); "
+          "ratios of decode ms/tok; peak = the leg's peak less the other decoders' resident bytes")
+    print("\n| context | decoder | prompt | tokens | prefill s | decode ms/tok | vs fast-serial | vs control | "
+          "peak GiB | resident GiB | capacity | exact | built in legs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['decoder']} | {r['prompt_tokens']} | {r['tokens']} | {r['prefill_s']:.3f} | "
+              f"{fmt(r['decode_ms_per_token'], '.2f')} | {fmt(r['vs_fast_serial'], '.3f')}x | "
+              f"{fmt(r['vs_control'], '.2f')}x | {gib(r['own_peak_bytes'])} | "
+              f"{gib(r['resident_bytes'] if args.device_type == 'cuda' else None)} | {fmt(r['capacity'], 'd')} | "
+              f"{'yes' if r['exact'] else 'NO'} | {r['built'] or 'none'} |")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Decode ms/tok against context, one line per decoder (needs matplotlib, as `reports` does)."""
+    try:
+        from reports.figures import new_figure, save
+    except ImportError:
+        return False
+    fig = new_figure(4.2)
+    ax = fig.add_subplot()
+    for name in dict.fromkeys(r["decoder"] for r in rows):
+        pts = [(r["context"], r["decode_ms_per_token"]) for r in rows if r["decoder"] == name
+               and r["decode_ms_per_token"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    contexts = sorted({r["context"] for r in rows})
+    ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+    ax.minorticks_off()
+    ax.set_xlabel("context (prompt + new tokens)")
+    ax.set_ylabel("decode ms / token")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return save(fig, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from core import determinism
+
+    determinism.pin()  # before anything touches CUDA, as the harness does
+    import torch
+    import transformers
+
+    from core.models import load_model
+
+    transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model = load_model(args.model, device)
+    args.device_type = model.device.type
+    print(f"loaded {args.model} on {model.device} in {time.perf_counter() - t0:.1f} s", flush=True)
+    decoders, resident = build_decoders(model, args)
+    legs = []
+    for context in args.contexts:
+        legs += run_context(context, decoders, resident, model, args)
+    rows = summarize(legs, resident, decoders)
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"model": args.model, "device": str(model.device), "max_new_tokens": args.max_new_tokens,
+           "control_n": args.control_n, "legs": args.legs, "rows": rows,
+           "configs": {name: dec.config() for name, dec in decoders.items()},
+           "leg_records": [{k: v for k, v in leg.items() if k != "tokens"} for leg in legs]}
+    (args.out / "context.json").write_text(json.dumps(doc, indent=1, default=str))
+    drew = plot(rows, args.out / "context.png", f"{args.model}: decode ms/token vs context")
+    print(f"wrote {args.out / 'context.json'}" + (f" and {args.out / 'context.png'}" if drew else ""))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    print_table(rows, args)
+    bad = [r for r in rows if not r["exact"] or r["built"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
