@@ -136,40 +136,72 @@ def time_leg(decoder, prompt: list[int], n: int, dev) -> dict:
             "built": builds() - built}
 
 
-def run_context(context: int, decoders: dict, resident: dict, model, args) -> list[dict]:
+def out_of_memory(fn, dev) -> str | None:
+    """Run ``fn``; the error's first line if the device ran out of memory (the bench goes on)."""
+    import torch
+
+    try:
+        fn()
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return f"out of memory: {str(exc).splitlines()[0]}"
+    return None
+
+
+def run_context(context: int, decoders: dict, resident: dict, model, args) -> tuple[list[dict], dict]:
+    """Every leg of one context, and the decoders that ran out of memory there (name -> why)."""
     prompt, warm = context_prompts(model.vocab_size, context, args.max_new_tokens)
     n_of = {name: args.control_n if name == CONTROL else args.max_new_tokens for name in decoders}
-    for name, dec in decoders.items():  # untimed: the warm-up, an instrument's preparation
+    failed = {}
+
+    def prepare(name, dec):  # untimed: an instrument's preparation, the warm-up
         if getattr(dec, "instrument", False) is True:
             dec.prepare_prompt(prompt, n_of[name])
         dec.decode(warm, WARMUP_TOKENS)
+
+    for name, dec in decoders.items():
+        why = out_of_memory(lambda: prepare(name, dec), model.device)
+        if why:
+            failed[name] = why
     legs = []
     for k in range(args.legs):
         order = list(decoders) if k % 2 == 0 else list(reversed(decoders))
-        for name in order:
-            leg = time_leg(decoders[name], prompt, n_of[name], model.device)
+        for name in (n for n in order if n not in failed):
+            done = []
+            why = out_of_memory(lambda: done.append(time_leg(decoders[name], prompt, n_of[name], model.device)),
+                                model.device)
+            if why:
+                failed[name] = why
+                print(f"context {context}: {name}: {why}", flush=True)
+                continue
+            leg = done[0]
             others = sum(b for o, b in resident.items() if o != name)
             own = None if leg["peak_bytes"] is None else leg["peak_bytes"] - others
             legs.append({"context": context, "prompt_tokens": len(prompt), "decoder": name, "leg": k,
                          "own_peak_bytes": own, **leg})
             print(f"context {context}: {name} leg {k}: prefill {leg['prefill_s']:.3f} s, decode "
                   f"{fmt(leg['decode_ms_per_token'], '.2f')} ms/tok, {len(leg['tokens'])} tokens", flush=True)
-    return legs
+    return legs, failed
 
 
-def summarize(legs: list[dict], resident: dict, decoders: dict) -> list[dict]:
-    """One row per (context, decoder): medians over its legs, exactness against fast-serial's tokens."""
+def summarize(legs: list[dict], failed: dict, resident: dict, decoders: dict) -> list[dict]:
+    """One row per (context, decoder): medians over its legs, exactness against fast-serial's tokens;
+    a decoder that ran out of memory at a context (``failed[(context, name)]``) gets its error."""
     import statistics
 
     rows = []
-    for context in sorted({leg["context"] for leg in legs}):
+    for context in sorted({leg["context"] for leg in legs} | {c for c, _ in failed}):
         mine = [leg for leg in legs if leg["context"] == context]
-        ref = next(leg["tokens"] for leg in mine if leg["decoder"] == REFERENCE)
+        ref = next((leg["tokens"] for leg in mine if leg["decoder"] == REFERENCE), None)
         by_name = {}
         for leg in mine:
             by_name.setdefault(leg["decoder"], []).append(leg)
         ms = {name: median([x["decode_ms_per_token"] for x in ls]) for name, ls in by_name.items()}
-        for name, ls in by_name.items():
+        for name in decoders:
+            if (context, name) in failed:
+                rows.append({"context": context, "decoder": name, "error": failed[context, name]})
+                continue
+            ls = by_name[name]
             peaks = [x["own_peak_bytes"] for x in ls if x["own_peak_bytes"] is not None]
             rows.append({
                 "context": context, "decoder": name, "prompt_tokens": ls[0]["prompt_tokens"],
@@ -178,7 +210,7 @@ def summarize(legs: list[dict], resident: dict, decoders: dict) -> list[dict]:
                 "vs_fast_serial": ratio(ms.get(REFERENCE), ms[name]), "vs_control": ratio(ms.get(CONTROL), ms[name]),
                 "own_peak_bytes": max(peaks) if peaks else None, "resident_bytes": resident[name],
                 "capacity": (decoders[name].config().get("sizing") or {}).get("capacity"),
-                "exact": all(x["tokens"] == ref[:len(x["tokens"])] for x in ls),
+                "exact": None if ref is None else all(x["tokens"] == ref[:len(x["tokens"])] for x in ls),
                 "built": sum(x["built"] for x in ls)})
     return rows
 
@@ -206,11 +238,15 @@ def print_table(rows: list[dict], args) -> None:
           "peak GiB | resident GiB | capacity | exact | built in legs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['context']} | {r['decoder']} | {r['error']} |" + " |" * 10)
+            continue
+        exact = {True: "yes", False: "NO", None: "-"}[r["exact"]]
         print(f"| {r['context']} | {r['decoder']} | {r['prompt_tokens']} | {r['tokens']} | {r['prefill_s']:.3f} | "
               f"{fmt(r['decode_ms_per_token'], '.2f')} | {fmt(r['vs_fast_serial'], '.3f')}x | "
               f"{fmt(r['vs_control'], '.2f')}x | {gib(r['own_peak_bytes'])} | "
               f"{gib(r['resident_bytes'] if args.device_type == 'cuda' else None)} | {fmt(r['capacity'], 'd')} | "
-              f"{'yes' if r['exact'] else 'NO'} | {r['built'] or 'none'} |")
+              f"{exact} | {r['built'] or 'none'} |")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
@@ -223,7 +259,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     ax = fig.add_subplot()
     for name in dict.fromkeys(r["decoder"] for r in rows):
         pts = [(r["context"], r["decode_ms_per_token"]) for r in rows if r["decoder"] == name
-               and r["decode_ms_per_token"] is not None]
+               and r.get("decode_ms_per_token") is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
@@ -257,10 +293,12 @@ def main(argv=None) -> int:
     args.device_type = model.device.type
     print(f"loaded {args.model} on {model.device} in {time.perf_counter() - t0:.1f} s", flush=True)
     decoders, resident = build_decoders(model, args)
-    legs = []
+    legs, failed = [], {}
     for context in args.contexts:
-        legs += run_context(context, decoders, resident, model, args)
-    rows = summarize(legs, resident, decoders)
+        got, lost = run_context(context, decoders, resident, model, args)
+        legs += got
+        failed.update({(context, name): why for name, why in lost.items()})
+    rows = summarize(legs, failed, resident, decoders)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"model": args.model, "device": str(model.device), "max_new_tokens": args.max_new_tokens,
            "control_n": args.control_n, "legs": args.legs, "rows": rows,
@@ -271,7 +309,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out / 'context.json'}" + (f" and {args.out / 'context.png'}" if drew else ""))
     print(f"total {time.perf_counter() - t0:.0f} s")
     print_table(rows, args)
-    bad = [r for r in rows if not r["exact"] or r["built"]]
+    bad = [r for r in rows if "error" in r or r["exact"] is False or r["built"]]
     return 1 if bad else 0
 
 

@@ -260,7 +260,8 @@ class MTPDrafter:
         rows are padded to a multiple of PREFILL_ROWS where that fits, so prompts of many lengths
         share a few GEMM shapes: a CPU's first GEMM of a shape sets up its kernels (~1.6 ms on
         tiny, more than the forward). Padded rows are scratch: the next catch-up writes over them
-        before anything attends to them."""
+        before anything attends to them. A long prompt runs in chunks of PREFILL_CHUNK rows, each
+        attending to every row before it: one call's scores and mask grow with rows x length."""
         self.filled = 0
         m = len(prompt_ids) - 1
         if m > 0:
@@ -269,7 +270,8 @@ class MTPDrafter:
             if self.pool is None and padded <= self.capacity:
                 rows = torch.cat([rows, rows.new_zeros(1, padded - m, rows.shape[-1])], dim=1)
                 tokens = torch.cat([tokens, tokens.new_zeros(1, padded - m)], dim=1)
-            self.forward_rows(rows, tokens, 0)
+            for start in range(0, tokens.shape[-1], PREFILL_CHUNK):
+                self.forward_rows(rows[:, start:start + PREFILL_CHUNK], tokens[:, start:start + PREFILL_CHUNK], start)
         self.filled = m
 
     @torch.inference_mode()
@@ -289,6 +291,9 @@ class MTPDrafter:
 
 
 PREFILL_ROWS = 64  # an eager prompt prefill's row count is a multiple of this (see MTPDrafter.prefill)
+# a prompt's head rows are made this many at a time: one call's mask and, where the attention kernel
+# materialises them, its scores grow with rows x length (16 heads x 32k x 32k in bf16 is 32 GB)
+PREFILL_CHUNK = 1024
 
 # graphed catch-up sizes beyond a round's own (max_rows): after a run of plain steps, a gap of up
 # to explore_every (64 by default) plus a round's rows is caught up in a few chunks, a longer one

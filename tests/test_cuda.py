@@ -182,6 +182,57 @@ def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
         assert accepted > 0
 
 
+@pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec-instrument", {"alpha": 0.8, "depth": 3})])
+def test_a_decode_past_4096_positions_reserved_up_front_is_exact_and_builds_nothing(models, name, kwargs):
+    """4000 prompt + 200 new tokens, past the default capacity of 4096, with every graph over the
+    reserved state: the serial control's tokens, and no runtime built during the decode."""
+    from decoders.runtime import sizing
+
+    model = dataclasses.replace(models["tiny"], eos_token_ids=(models["tiny"].vocab_size + 7,))  # never emitted
+    prompt, n = random_prompt(model, 4000, seed=5), 200
+    serial = SerialDecoder()
+    serial.prepare(model)
+    want = serial.decode(prompt, n).tokens
+    dec = get_decoder(name, **kwargs)
+    dec.prepare(model)
+    dec.reserve(len(prompt) + n)
+    built = sizing.builds()
+    if hasattr(dec, "prepare_prompt"):
+        dec.prepare_prompt(prompt, n)
+    assert dec.decode(prompt, n).tokens == want
+    assert sizing.builds() == built
+
+
+@pytest.mark.parametrize("name", ["fast-serial", "spec"])
+def test_growing_releases_the_old_state_and_graphs(models, name):
+    """A decoder grown by reserve() holds about what one built at that size holds, not both."""
+    import gc
+
+    from decoders.runtime import sizing
+
+    def held(make) -> tuple[int, object]:
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        dec = make()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, dec
+
+    capacity = sizing.capacity_for(6000 + 8)
+    fresh, dec = held(lambda: prepared(get_decoder(name, capacity=capacity), models["tiny"]))
+    del dec
+    grown, dec = held(lambda: prepared(get_decoder(name), models["tiny"], reserve=6000))
+    assert dec.runtime.capacity == capacity
+    assert grown <= 1.05 * fresh + (1 << 20), (grown, fresh)
+
+
+def prepared(dec, model, reserve: int | None = None):
+    dec.prepare(model)
+    if reserve is not None:
+        dec.reserve(reserve)
+    return dec
+
+
 def test_lanes_fork_and_each_join_back_in_order():
     """Branches on side streams: results in order, and the current stream sees their writes."""
     lanes = Lanes.on(torch.device("cuda"), 4)
