@@ -1,23 +1,29 @@
-"""``fast-serial``: serial greedy decoding on the exact runtime (graphed single-token steps).
+"""``fast-serial``: serial decoding on the exact runtime (graphed single-token steps).
 
 The same tokens and bit-identical logits as ``serial``, with the per-step work captured in CUDA
 graphs over static state. It is the honest serial baseline a speculative decoder must beat.
+Greedy, a step's token is the argmax inside the step's graph; under a sampler, the sampler's pick
+from the step's logits row at the token's absolute position (decoders/sampled.py), after the graph.
 """
 from __future__ import annotations
 
 import torch
 
+from core.sampling import Sampler
 from decoders.base import DecodeResult, DecodeStats
 from decoders.runtime.runtime import ExactRuntime
+from decoders.sampled import TargetPicks
 
 
 class FastSerialDecoder:
     name = "fast-serial"
+    sampling = True
 
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity
         self.model = None
         self.runtime = None
+        self.picks: TargetPicks | None = None  # the sampled path's picks, made at its first use
 
     def prepare(self, model, capacity: int | None = None) -> None:
         self.model = model
@@ -35,10 +41,14 @@ class FastSerialDecoder:
         if needed > self.runtime.capacity:
             self.runtime = ExactRuntime(self.model, capacity=-(-needed // 1024) * 1024, windows=(1,),
                                         cal=self.runtime.cal)
+            self.picks = None
         return self.runtime
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None,
+               sampler: Sampler | None = None) -> DecodeResult:
+        if sampler is not None and not sampler.greedy:
+            return self._decode_sampled(prompt_ids, max_new_tokens, on_tokens, sampler)
         rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + 1)
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
@@ -52,6 +62,30 @@ class FastSerialDecoder:
             prog = rt.step(nxt)
             stats.forwards += 1
             nxt = prog.ws["argmax"].view(1)
+            tokens.append(int(nxt.item()))
+            if on_tokens is not None:
+                on_tokens(tokens[-1:])
+        return DecodeResult(tokens, stats)
+
+    def _decode_sampled(self, prompt_ids, max_new_tokens, on_tokens, sampler: Sampler) -> DecodeResult:
+        """As the greedy loop, each token the sampler's pick at its position (prompt + index)."""
+        rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + 1)
+        if self.picks is None:
+            self.picks = TargetPicks(rt.device, rt.use_graphs)
+        picks = self.picks
+        picks.bind(sampler)
+        eos = set(self.model.eos_token_ids)
+        stats = DecodeStats()
+        logits, _ = rt.prefill(prompt_ids)
+        stats.forwards += 1
+        nxt = picks.first(logits, len(prompt_ids)).view(1)
+        tokens = [int(nxt.item())]
+        if on_tokens is not None:
+            on_tokens(tokens[-1:])
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            prog = rt.step(nxt)
+            stats.forwards += 1
+            nxt = picks.row(prog, 0).view(1)  # position rt.length: len(prompt_ids) + len(tokens)
             tokens.append(int(nxt.item()))
             if on_tokens is not None:
                 on_tokens(tokens[-1:])
