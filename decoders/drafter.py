@@ -102,7 +102,7 @@ class MTPDrafter:
         self.temperature = torch.ones((), dtype=torch.float64, device=dev)
         self.seed = torch.zeros((), dtype=torch.long, device=dev)
         self.coupled = False  # this decode drafts coupled (``couple``)
-        self.filter = None  # a sampler whose filter the coupled draft applies (eager only: measurement)
+        self.filter = None  # the sampler whose filter the coupled draft applies (``couple(filtered=True)``)
         self._step = self._graphed(self._step_segments())
         self._rows = {m: self._graphed(self._catch_up_segments(m)) for m in sizes}
         self._step_coupled = self._rows_coupled = None
@@ -197,12 +197,17 @@ class MTPDrafter:
         self.in_token.copy_(self.coupled_token(out_row, position))
         self.in_hidden.copy_(out_row)
 
-    def couple(self, sampler) -> None:
-        """Draft coupled to ``sampler``'s noise from now on; None or a greedy sampler: plain argmax."""
+    def couple(self, sampler, filtered: bool = False) -> None:
+        """Draft coupled to ``sampler``'s noise from now on; None or a greedy sampler: plain argmax.
+        ``filtered``: only among the tokens the sampler's filter keeps of the draft's own logits,
+        a measurement (it accepts about as often on ``small``; bench/sampling_bench.py), eager only."""
         self.coupled = sampler is not None and not sampler.greedy
+        self.filter = sampler if self.coupled and filtered else None
         if self.coupled:
             if self._step_coupled is None:
                 raise ValueError("this drafter was built without coupled graphs (coupled=False)")
+            if filtered and self.pool is not None:
+                raise ValueError("the filtered coupled draft runs eagerly only (use_graphs=False)")
             self.temperature.fill_(sampler.temperature)
             self.seed.fill_(device_seed(sampler.seed))
 
@@ -302,7 +307,7 @@ class MTPDrafter:
         score = z + gumbel_at(self.seed, position, self.ids)
         if self.filter is not None:
             score = torch.where(allowed_mask(z, self.filter), score, -math.inf)
-        return self.ids[score.argmax(-1)].view(1, 1)
+        return self.ids[score.argmax(-1, keepdim=True)].view(1, 1)
 
     @torch.inference_mode()
     def prefill(self, hidden: torch.Tensor, prompt_ids: list[int]) -> None:

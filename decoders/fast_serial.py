@@ -73,7 +73,7 @@ class FastSerialDecoder:
         if self.picks is None:
             self.picks = TargetPicks(rt.device, rt.use_graphs)
         picks = self.picks
-        picks.bind(sampler)
+        picks.bind(sampler, rt.programs.values())
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
         logits, _ = rt.prefill(prompt_ids)

@@ -77,13 +77,18 @@ class TargetPicks:
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.picked = 0  # rows picked since the last bind
 
-    def bind(self, sampler: Sampler) -> None:
-        """Pick with ``sampler`` (non-greedy) from now on."""
+    def bind(self, sampler: Sampler, programs=()) -> None:
+        """Pick with ``sampler`` (non-greedy) from now on. On the GPU every row of ``programs``
+        gets its graph now, so that no capture falls inside a later decode's rounds."""
         if sampler.greedy:
             raise ValueError("TargetPicks is for sampled decoding; greedy decoding takes the runtime's argmax")
         self.sampler = sampler
         self.seed.fill_(device_seed(sampler.seed))
         self.picked = 0
+        if self.use_graphs:
+            for prog in programs:
+                for r in range(prog.w):
+                    self._graph(prog, r)
 
     def first(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         """The prefill's token (``sampler.pick_tensor`` itself, eager: once per decode), [1,1]."""

@@ -376,7 +376,7 @@ class SpecDecoder:
         """The prefill; its token is the sampler's pick at len(prompt_ids), written where the
         greedy prefill leaves its argmax (the head's pending row, and ``Pending.y``)."""
         logits, hidden = self.runtime.prefill(prompt_ids)
-        self.picks.bind(sampler)
+        self.picks.bind(sampler, self.runtime.programs.values())
         p = len(prompt_ids)
         self.runtime.state.row_next[:, p - 1:p].copy_(self.picks.first(logits, p))
         pending = Pending(self.runtime)
@@ -551,7 +551,7 @@ class InstrumentedSpecDecoder(SpecDecoder):
         if sampler.greedy:
             tok = logits.argmax(-1).view(1, 1)
         else:
-            self.picks.bind(sampler)
+            self.picks.bind(sampler, self.runtime.programs.values())
             tok = self.picks.first(logits, len(prompt_ids))
         ref = [int(tok.item())]
         while len(ref) < n:

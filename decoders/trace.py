@@ -168,7 +168,7 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     if sampled:
         drafter.couple(sampler if coupled else None)
         picks = TargetPicks(runtime.device, runtime.use_graphs)
-        picks.bind(sampler)
+        picks.bind(sampler, runtime.programs.values())
     eos = set(model.eos_token_ids)
     rows = []
     for i, p in enumerate(prompts):
