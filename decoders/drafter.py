@@ -199,8 +199,8 @@ class MTPDrafter:
 
     def couple(self, sampler, filtered: bool = False) -> None:
         """Draft coupled to ``sampler``'s noise from now on; None or a greedy sampler: plain argmax.
-        ``filtered``: only among the tokens the sampler's filter keeps of the draft's own logits,
-        a measurement (it accepts about as often on ``small``; bench/sampling_bench.py), eager only."""
+        ``filtered``: only among the tokens the sampler's filter keeps of the draft's own logits;
+        a measurement (docs/decoders.md#sampling), eager only."""
         self.coupled = sampler is not None and not sampler.greedy
         self.filter = sampler if self.coupled and filtered else None
         if self.coupled:

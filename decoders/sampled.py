@@ -13,9 +13,10 @@ Coupled draft. The MTP head proposes the token at position q as the argmax over 
 (the shortlist where one is used; ``v`` the full-vocabulary id) of
 ``draft_logits[v] / T + G(seed, q, v)``, the target's own noise at that position: where the
 head's distribution is close to the target's, the two argmaxes agree far more often than the
-head's plain argmax agrees with a sample. No filter is applied to the draft (the target's filter
-decides what can be emitted; a draft is only a proposal, and the verify window keeps it only when
-it equals the target's pick). ``coupled=False`` drafts by plain argmax.
+head's plain argmax agrees with a sample. No filter is applied to the draft: a draft is only a
+proposal, kept only when it equals the target's pick, and on ``small`` the draft's own filter added
+0-5% tokens per round (docs/decoders.md) for a sort per draft step. ``coupled=False`` drafts by
+plain argmax.
 """
 from __future__ import annotations
 
