@@ -20,6 +20,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   serve       bench/serve_bench.py on synthetic-9b: time to first token and tokens/s of `spec` through
               `harness serve` (the openai client), `harness generate` and `harness time`, side by side,
               every answer compared with the recorded serial tokens
+  sampling    bench/sampling_bench.py: under Qwen's two presets and greedy, side by side in one process,
+              `small`'s fast-serial and spec with and without the coupled draft (acceptance and
+              speed), and synthetic-9b's fast-serial and instrument at alpha 0.6 and 0.85; every
+              token checked against the serial control under the same sampler
   retime-9b   `audit retime` on synthetic-9b streams inside the sandbox: CUDA checked inside it first,
               then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
               `harness time` and retimed on fresh prompts; the table of claimed and verified ratios
@@ -157,6 +161,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "serve":
         return [Step("serve", (PY, "bench/serve_bench.py", "--model", "synthetic-9b", "--decoder", "spec",
                                "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
+    if name == "sampling":
+        return [Step("sampling", (PY, "bench/sampling_bench.py", "--models", "small,synthetic-9b", "--limit", "3",
+                                  "-n", "128", "--reps", "2", "--json", str(out / "sampling.json")))]
     if name == "retime-9b":
         return retime_steps(out / "retime")
     if name == "replay-throughput":
@@ -173,7 +180,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "retime-9b", "replay-throughput",
+SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "sampling", "retime-9b",
+        "replay-throughput",
         "cpu-verify", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 

@@ -213,7 +213,7 @@ def allowed_mask(z: torch.Tensor, sampler: Sampler) -> torch.Tensor:
         sorted_probs = probs[order]
         before = torch.cumsum(sorted_probs, 0) - sorted_probs
         keep_sorted = before < sampler.top_p
-        keep_sorted[0] = True
+        keep_sorted[:1].fill_(True)  # a fill: assigning a Python scalar copies it from the host (a sync, uncapturable)
         keep = torch.zeros_like(allowed)
         keep[order] = keep_sorted
         allowed = allowed & keep

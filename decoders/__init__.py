@@ -20,7 +20,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "spec": ("decoders.spec:SpecDecoder",
              "exact MTP speculation: persistent head cache, adaptive depth, bit-exact verify windows, "
              "rollback from captured state (args: max_depth, depth, shortlist, explore_every, head, "
-             "online_costs)"),
+             "online_costs, coupled, lazy_rows)"),
     "spec-instrument": ("decoders.spec:InstrumentedSpecDecoder",
                         "benchmark instrument: spec with drafts replaced by the control's token with "
                         "probability alpha, or where a recorded acceptance trace says (args: alpha or "

@@ -5,11 +5,12 @@
     gen = dec.generate("def fib(n):", 64, on_token=lambda ids, text: print(text, end="", flush=True))
     gen.token_ids, gen.text, gen.finish_reason, gen.stats.tokens_per_s
 
-The tokens are exactly the decoder's, and for an exact decoder exactly serial greedy decoding's:
-stop right after the first EOS, or after ``max_new_tokens``. One generation runs at a time per
-``ExactDecoder`` (a lock serialises callers). A decoder with static state is sized up front for
-``max_positions`` (prompt + new tokens) and grows, before a generation's clock starts, when a
-request needs more. docs/api.md describes it.
+The tokens are exactly the decoder's, and for an exact decoder exactly serial decoding's (greedy,
+or with the same seeded sampler: ``sampler="qwen-thinking,seed=7"``): stop right after the first
+EOS, or after ``max_new_tokens``. One generation runs at a time per ``ExactDecoder`` (a lock
+serialises callers). A decoder with static state is sized up front for ``max_positions`` (prompt +
+new tokens) and grows, before a generation's clock starts, when a request needs more.
+docs/api.md describes it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from core.errors import UserError
+from core.sampling import Sampler, SamplerError
 from decoders.base import reserve_positions
 
 CHATML_TEMPLATE = (
@@ -57,14 +59,18 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (ended with an EOS) | "length" (max_new_tokens) | "cancelled"
     stats: GenerationStats
+    sampler: Sampler | None = None  # what decided the tokens; None: greedy
 
 
 def open_decoder(model: str = "small", name: str = "spec", *, device: str | None = None,
-                 max_positions: int | None = None, **decoder_args) -> "ExactDecoder":
+                 max_positions: int | None = None, sampler: Sampler | str | None = None,
+                 **decoder_args) -> "ExactDecoder":
     """Pin the deterministic configuration, load ``model`` (a built-in name or a checkpoint
     directory) on ``device`` (default cuda if available, else cpu), build decoder ``name`` (a
     registered name or ``package.module:attr``) with ``decoder_args`` and prepare it, sized for
     generations of up to ``max_positions`` prompt + new tokens (None: the decoder's default).
+    ``sampler``: the generations' default sampler (a ``core.sampling.Sampler`` or text for
+    ``Sampler.parse``, e.g. ``"qwen-thinking,seed=7"``); None: greedy.
     Any bad input raises ``core.errors.UserError`` with one clear message."""
     from core import determinism  # imports torch: pinned before anything touches CUDA
     from core.models import load_model
@@ -75,13 +81,15 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
     check_positions(max_positions)
     if not isinstance(model, str) or not model:
         raise UserError(f"model must be a built-in name or a checkpoint directory, not {model!r}")
+    sampler = as_sampler(sampler)
     decoder = get_decoder(name, **decoder_args)  # before the load: a bad name costs no model load
+    check_sampling(decoder, sampler)
     loaded = load_model(model, device)
     try:
         decoder.prepare(loaded)
     except ValueError as exc:
         raise UserError(f"decoder {name!r} cannot run on {loaded.name}: {exc}") from None
-    opened = ExactDecoder(decoder, loaded)
+    opened = ExactDecoder(decoder, loaded, sampler=sampler)
     if max_positions is not None:
         opened.reserve(max_positions)
     return opened
@@ -91,6 +99,26 @@ def check_positions(max_positions) -> None:
     if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
                                       or max_positions < 2):
         raise UserError(f"max_positions must be an integer >= 2 (prompt + new tokens), not {max_positions!r}")
+
+
+def as_sampler(sampler) -> Sampler | None:
+    """A ``Sampler``, or text for ``Sampler.parse``, as a Sampler; None stays None (greedy)."""
+    if sampler is None or isinstance(sampler, Sampler):
+        return sampler
+    if not isinstance(sampler, str):
+        raise UserError(f"sampler must be a core.sampling.Sampler or text such as 'qwen-thinking,seed=7', "
+                        f"not {type(sampler).__name__}")
+    try:
+        return Sampler.parse(sampler)
+    except SamplerError as exc:
+        raise UserError(f"sampler: {exc}") from None
+
+
+def check_sampling(decoder, sampler: Sampler | None) -> None:
+    """A non-greedy sampler needs a decoder that samples (``sampling = True``)."""
+    if sampler is not None and not sampler.greedy and not getattr(decoder, "sampling", False):
+        raise UserError(f"decoder {decoder.name!r} decodes greedily only; it cannot sample "
+                        f"({sampler.describe()})")
 
 
 def check_device(device: str | None) -> None:
@@ -112,12 +140,16 @@ def check_device(device: str | None) -> None:
 
 
 class ExactDecoder:
-    """A prepared decoder bound to its model. ``clock`` (seconds, monotonic) times generations."""
+    """A prepared decoder bound to its model. ``clock`` (seconds, monotonic) times generations;
+    ``sampler`` (a Sampler or its text) is the generations' default, None greedy."""
 
-    def __init__(self, decoder, model, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, decoder, model, clock: Callable[[], float] = time.perf_counter,
+                 sampler: Sampler | str | None = None):
         self.decoder = decoder
         self.model = model
         self.clock = clock
+        self.sampler = as_sampler(sampler)
+        check_sampling(decoder, self.sampler)
         self._lock = threading.Lock()
         self._streams = accepts_on_tokens(decoder)
 
@@ -189,8 +221,11 @@ class ExactDecoder:
 
     def generate(self, prompt, max_new_tokens: int = 256, *,
                  on_token: Callable[[list[int], str], None] | None = None,
-                 cancel: threading.Event | None = None) -> Generation:
-        """Greedy-decode at most ``max_new_tokens`` tokens after ``prompt`` (text or ids).
+                 cancel: threading.Event | None = None,
+                 sampler: Sampler | str | None = None) -> Generation:
+        """Decode at most ``max_new_tokens`` tokens after ``prompt`` (text or ids), with
+        ``sampler`` (a Sampler or its text; None: the decoder's default, greedy unless
+        ``open_decoder`` was given one).
         ``on_token(new_ids, new_text)`` sees each emitted batch as it comes; the concatenation
         of every ``new_text`` is ``Generation.text`` (text ending in an incomplete UTF-8
         sequence is held back; whatever is held at the end comes in a last call with no ids).
@@ -201,19 +236,23 @@ class ExactDecoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
         ids = self.prompt_ids(prompt)
+        sampler = self.sampler if sampler is None else as_sampler(sampler)
+        check_sampling(self.decoder, sampler)
         with self._lock:
             reserve_positions(self.decoder, len(ids) + max_new_tokens)
-            return self._generate(ids, max_new_tokens, on_token, cancel)
+            return self._generate(ids, max_new_tokens, on_token, cancel, sampler)
 
-    def _generate(self, ids, max_new_tokens, on_token, cancel) -> Generation:
+    def _generate(self, ids, max_new_tokens, on_token, cancel, sampler: Sampler | None = None) -> Generation:
         stream = _Stream(self, on_token, cancel)
         start = stream.start = self.clock()
         result, reason = None, None
+        # greedy decodes take no sampler argument (decoders without sampling have none)
+        kwargs = {"sampler": sampler} if sampler is not None and not sampler.greedy else {}
         try:
             if self._streams:
-                result = self.decoder.decode(ids, max_new_tokens, on_tokens=stream.batch)
+                result = self.decoder.decode(ids, max_new_tokens, on_tokens=stream.batch, **kwargs)
             else:
-                result = self.decoder.decode(ids, max_new_tokens)
+                result = self.decoder.decode(ids, max_new_tokens, **kwargs)
             tail = list(result.tokens)
             if tail[:len(stream.ids)] != stream.ids:
                 raise RuntimeError(f"decoder {self.name!r} streamed tokens that differ from its result")
@@ -226,7 +265,8 @@ class ExactDecoder:
         tokens = list(stream.ids)
         if reason is None:
             reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
-        return Generation(ids, tokens, text, reason, self._stats(ids, tokens, seconds, stream.ttft, result))
+        return Generation(ids, tokens, text, reason, self._stats(ids, tokens, seconds, stream.ttft, result),
+                          sampler if kwargs else None)
 
     def _stats(self, ids, tokens, seconds, ttft, result) -> GenerationStats:
         st = result.stats if result is not None else None

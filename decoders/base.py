@@ -1,4 +1,4 @@
-"""The decoder protocol: prepare on a model once, then decode prompts greedily.
+"""The decoder protocol: prepare on a model once, then decode prompts (greedily, or with a sampler).
 
 A decoder is one small object. ``prepare`` receives the loaded model (and may allocate static
 state, capture graphs, measure costs); ``decode`` turns a prompt into at most ``max_new_tokens``
@@ -97,7 +97,9 @@ class Decoder(Protocol):
 
     # Optional, for benchmark instruments only (``instrument = True``, never scored by the audit):
     # ``prepare_prompt(prompt_ids, max_new_tokens)``, which the harness calls untimed before a
-    # prompt's legs for an instrument and for nothing else.
+    # prompt's legs for an instrument and for nothing else. An instrument with ``sampling = True``
+    # also takes a keyword-only ``sampler`` there (None: greedy), the one its legs decode with,
+    # since what it prepares (the control's stream) depends on it.
 
 
 def reserve_positions(decoder, positions: int) -> None:

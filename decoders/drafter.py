@@ -15,20 +15,29 @@ host time on the H200 machine, which at zero acceptance was most of `spec`'s cos
 Shortlist: the draft logits may be computed over a fixed, request-independent set of token ids
 (built offline from token frequencies of generated text), which cuts the head's largest GEMM;
 verification always uses the full vocabulary, so exactness is untouched.
+
+Coupled drafting (``coupled=True``, bound per decode with ``couple(sampler)``): under a sampler
+each draft at position q is the argmax over the draft vocabulary of ``logits / T + G(seed, q, v)``
+with the target's own noise (decoders/sampled.py), not the plain argmax. On the GPU it has its own
+graph pairs, captured at construction (nothing is live yet), reading T and the seed from device
+tensors; greedy drafting runs the plain graphs, unchanged.
 """
 from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from core.errors import UserError
+from core.sampling import allowed_mask
 from decoders.runtime import layers as L
 from decoders.runtime.graphs import capture_segments, run_segments
 from decoders.runtime.sizing import note_build
+from decoders.sampled import device_seed, gumbel_at
 
 
 class Unchecked:
@@ -44,11 +53,12 @@ class Unchecked:
 
 class MTPDrafter:
     def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, coupled: bool = False):
         """``head``: a trained draft head (``load_head``) in place of the checkpoint's own.
         ``max_rows``: every catch-up of up to this many rows (a round's accepted rows + 1) runs as
         one CUDA graph pair; longer ones (after plain steps) run in chunks of LONG_CHUNKS rows or
-        fewer. ``use_graphs``: default on a GPU; False runs the same functions eagerly."""
+        fewer. ``use_graphs``: default on a GPU; False runs the same functions eagerly.
+        ``coupled``: able to draft with the target's noise (``couple``)."""
         note_build()
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
@@ -89,8 +99,18 @@ class MTPDrafter:
         self.rows_pos = self._arange[:max(sizes)].clone()
         self.rows_attn = torch.zeros(1, max(sizes), width, dtype=dtype, device=dev)
         self.attend_at = 0  # first KV position of the next eager attention segment's new rows
+        # the coupled draft's inputs: the draft vocabulary's full-vocabulary ids, T and the seed
+        self.ids = self.shortlist if self.shortlist is not None else torch.arange(lm.lm_head.weight.shape[0], device=dev)
+        self.temperature = torch.ones((), dtype=torch.float64, device=dev)
+        self.seed = torch.zeros((), dtype=torch.long, device=dev)
+        self.coupled = False  # this decode drafts coupled (``couple``)
+        self.filter = None  # the sampler whose filter the coupled draft applies (``couple(filtered=True)``)
         self._step = self._graphed(self._step_segments())
         self._rows = {m: self._graphed(self._catch_up_segments(m)) for m in sizes}
+        self._step_coupled = self._rows_coupled = None
+        if coupled:
+            self._step_coupled = self._graphed(self._step_segments(coupled=True))
+            self._rows_coupled = {m: self._graphed(self._catch_up_segments(m, coupled=True)) for m in sizes}
 
     def nbytes(self) -> int:
         """The K/V cache, a shortlisted head weight and the graphs' static buffers (not their pool)."""
@@ -174,8 +194,28 @@ class MTPDrafter:
         self.in_token.copy_(self.draft_token(out_row))
         self.in_hidden.copy_(out_row)
 
-    def _step_segments(self):
-        """One chained draft step over the static buffers (in_hidden, in_token) at step_pos."""
+    def _emit_coupled(self, out_row, position: torch.Tensor) -> None:
+        """As ``_emit``, the draft being the coupled one for the token at ``position`` ([1])."""
+        self.in_token.copy_(self.coupled_token(out_row, position))
+        self.in_hidden.copy_(out_row)
+
+    def couple(self, sampler, filtered: bool = False) -> None:
+        """Draft coupled to ``sampler``'s noise from now on; None or a greedy sampler: plain argmax.
+        ``filtered``: only among the tokens the sampler's filter keeps of the draft's own logits;
+        a measurement (docs/decoders.md#sampling), eager only."""
+        self.coupled = sampler is not None and not sampler.greedy
+        self.filter = sampler if self.coupled and filtered else None
+        if self.coupled:
+            if self._step_coupled is None:
+                raise ValueError("this drafter was built without coupled graphs (coupled=False)")
+            if filtered and self.pool is not None:
+                raise ValueError("the filtered coupled draft runs eagerly only (use_graphs=False)")
+            self.temperature.fill_(sampler.temperature)
+            self.seed.fill_(device_seed(sampler.seed))
+
+    def _step_segments(self, coupled: bool = False):
+        """One chained draft step over the static buffers (in_hidden, in_token) at step_pos; the
+        draft it emits is for position step_pos + 2 (a head row at p holds h_p and t_{p+1})."""
         ws = {}
 
         def pre():
@@ -187,11 +227,15 @@ class MTPDrafter:
 
         def post():
             x, _, gate, _ = ws["pre"]
-            self._emit(self._post(x, self.step_attn, gate))
+            out = self._post(x, self.step_attn, gate)
+            if coupled:
+                self._emit_coupled(out, self.step_pos + 2)
+            else:
+                self._emit(out)
 
         return [("graph", pre), ("eager", attend), ("graph", post)]
 
-    def _catch_up_segments(self, m: int):
+    def _catch_up_segments(self, m: int, coupled: bool = False):
         """A catch-up of m rows; beyond the weights, every tensor it reads or writes that outlives
         a call is a static buffer (the graphs' addresses) or the head's K/V cache. Its post leaves
         the last row's output and draft in (in_hidden, in_token), so chaining continues without a
@@ -209,7 +253,11 @@ class MTPDrafter:
 
         def post():
             x, _, gate, _ = ws["pre"]
-            self._emit(self._post(x, attn_out, gate)[:, -1:])
+            out = self._post(x, attn_out, gate)[:, -1:]
+            if coupled:
+                self._emit_coupled(out, positions[m - 1:m] + 2)
+            else:
+                self._emit(out)
 
         return [("graph", pre), ("eager", attend), ("graph", post)]
 
@@ -221,7 +269,7 @@ class MTPDrafter:
         if position + 1 > self.capacity:
             raise ValueError(f"drafter capacity {self.capacity} exceeded")
         self.step_pos.fill_(position)
-        self._run(self._step, position)
+        self._run(self._step_coupled if self.coupled else self._step, position)
         return self.in_token.clone()
 
     def catch_up_chunks(self, m: int) -> list[int]:
@@ -246,13 +294,22 @@ class MTPDrafter:
         self.rows_hidden[:, :m].copy_(hidden)
         self.rows_token[:, :m].copy_(tokens.view(1, m))
         self.rows_pos[:m].copy_(self._arange[start:start + m])
-        self._run(self._rows[m], start)
+        self._run(self._rows_coupled[m] if self.coupled else self._rows[m], start)
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
         logits = F.linear(out_row, self.head_weight)
         idx = logits.argmax(-1)
         return self.shortlist[idx] if self.shortlist is not None else idx
+
+    def coupled_token(self, out_row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The coupled draft for one head output row [1,1,H] at ``position`` ([1] int64): the
+        argmax over the draft vocabulary of logits / T + G(seed, position, v) -> [1,1] token id."""
+        z = F.linear(out_row, self.head_weight).reshape(-1).to(torch.float64) / self.temperature
+        score = z + gumbel_at(self.seed, position, self.ids)
+        if self.filter is not None:
+            score = torch.where(allowed_mask(z, self.filter), score, -math.inf)
+        return self.ids[score.argmax(-1, keepdim=True)].view(1, 1)
 
     @torch.inference_mode()
     def prefill(self, hidden: torch.Tensor, prompt_ids: list[int]) -> None:

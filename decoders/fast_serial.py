@@ -1,7 +1,9 @@
-"""``fast-serial``: serial greedy decoding on the exact runtime (graphed single-token steps).
+"""``fast-serial``: serial decoding on the exact runtime (graphed single-token steps).
 
 The same tokens and bit-identical logits as ``serial``, with the per-step work captured in CUDA
 graphs over static state. It is the honest serial baseline a speculative decoder must beat.
+Greedy, a step's token is the argmax inside the step's graph; under a sampler, the sampler's pick
+from the step's logits row at the token's absolute position (decoders/sampled.py), after the graph.
 """
 from __future__ import annotations
 
@@ -9,19 +11,23 @@ import gc
 
 import torch
 
+from core.sampling import Sampler
 from decoders.base import DecodeResult, DecodeStats
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
+from decoders.sampled import TargetPicks
 
 
 class FastSerialDecoder:
     name = "fast-serial"
     margin = 1  # positions a decode needs beyond its prompt and new tokens
+    sampling = True
 
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity
         self.model = None
         self.runtime = None
+        self.picks: TargetPicks | None = None  # the sampled path's picks, made at its first use
 
     def prepare(self, model, capacity: int | None = None) -> None:
         self.model = model
@@ -45,12 +51,16 @@ class FastSerialDecoder:
         if needed > self.runtime.capacity:
             cal = self.runtime.cal
             self.runtime = None
+            self.picks = None
             gc.collect()  # graphs and closures may hold the old buffers in reference cycles
             self.runtime = ExactRuntime(self.model, capacity=capacity_for(needed), windows=(1,), cal=cal)
         return self.runtime
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None,
+               sampler: Sampler | None = None) -> DecodeResult:
+        if sampler is not None and not sampler.greedy:
+            return self._decode_sampled(prompt_ids, max_new_tokens, on_tokens, sampler)
         rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         eos = set(self.model.eos_token_ids)
         stats = DecodeStats()
@@ -64,6 +74,30 @@ class FastSerialDecoder:
             prog = rt.step(nxt)
             stats.forwards += 1
             nxt = prog.ws["argmax"].view(1)
+            tokens.append(int(nxt.item()))
+            if on_tokens is not None:
+                on_tokens(tokens[-1:])
+        return DecodeResult(tokens, stats)
+
+    def _decode_sampled(self, prompt_ids, max_new_tokens, on_tokens, sampler: Sampler) -> DecodeResult:
+        """As the greedy loop, each token the sampler's pick at its position (prompt + index)."""
+        rt = self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
+        if self.picks is None:
+            self.picks = TargetPicks(rt.device, rt.use_graphs)
+        picks = self.picks
+        picks.bind(sampler, rt.programs.values())
+        eos = set(self.model.eos_token_ids)
+        stats = DecodeStats()
+        logits, _ = rt.prefill(prompt_ids)
+        stats.forwards += 1
+        nxt = picks.first(logits, len(prompt_ids)).view(1)
+        tokens = [int(nxt.item())]
+        if on_tokens is not None:
+            on_tokens(tokens[-1:])
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            prog = rt.step(nxt)
+            stats.forwards += 1
+            nxt = picks.row(prog, 0).view(1)  # position rt.length: len(prompt_ids) + len(tokens)
             tokens.append(int(nxt.item()))
             if on_tokens is not None:
                 on_tokens(tokens[-1:])

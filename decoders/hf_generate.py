@@ -11,8 +11,10 @@ token for token: a LongTensor [batch, prompt + new], or a ``GenerateDecoderOnlyO
 padded with ``pad_token_id``. The decoder is ``spec``, drafting with the MTP head read from the
 model's own checkpoint directory (``name_or_path``: transformers drops ``mtp.*``); a model whose
 checkpoint has no MTP head decodes with ``fast-serial`` (the same tokens) and says so once.
-Anything greedy ``generate`` would do differently (sampling, beams, logits processors, scores,
-padded prompts) is refused with a ValueError. docs/api.md describes it.
+Anything greedy ``generate`` would do differently (HF's sampling, beams, logits processors,
+scores, padded prompts) is refused with a ValueError; this project's seeded sampler comes as
+``sampler="qwen-thinking,seed=7"`` (a ``core.sampling.Sampler`` or its text), the tokens then
+serial sampling's with that sampler. docs/api.md describes it.
 """
 from __future__ import annotations
 
@@ -45,10 +47,11 @@ _OPENED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {
 
 
 def generate(model, inputs=None, generation_config=None, *, decoder: str | None = None,
-             decoder_args: dict | None = None, streamer=None, **kwargs):
+             decoder_args: dict | None = None, streamer=None, sampler=None, **kwargs):
     """transformers calls this for ``model.generate(..., custom_generate=CUSTOM_GENERATE_DIR)``
     with generate's own arguments. ``decoder`` (default spec, else fast-serial without an MTP
-    head) and ``decoder_args`` choose the exact decoder."""
+    head) and ``decoder_args`` choose the exact decoder; ``sampler`` (None: greedy) is the seeded
+    sampler of ``core.sampling``."""
     for name in UNSUPPORTED_ARGS:
         if kwargs.pop(name, None) not in (None, [], ()):
             raise ValueError(f"exact generate: {name!r} is not supported (greedy decoding only)")
@@ -69,7 +72,14 @@ def generate(model, inputs=None, generation_config=None, *, decoder: str | None 
     if streamer is not None and ids.shape[0] > 1:
         raise ValueError("exact generate: a streamer takes one row (batch size 1)")
     exact = opened(model, eos, decoder, decoder_args or {})
-    rows = [decode_row(exact, row.tolist(), n, streamer) for row in ids]
+    try:
+        from decoders.api import as_sampler, check_sampling
+
+        sampler = as_sampler(sampler)
+        check_sampling(exact.decoder, sampler)
+    except UserError as exc:
+        raise ValueError(f"exact generate: {exc}") from None
+    rows = [decode_row(exact, row.tolist(), n, streamer, sampler) for row in ids]
     width = max(map(len, rows))
     if any(len(r) < width for r in rows) and pad is None:
         raise ValueError("exact generate: rows of different lengths need a pad_token_id")
@@ -98,11 +108,11 @@ def token_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
-def decode_row(exact, prompt: list[int], n: int, streamer) -> list[int]:
+def decode_row(exact, prompt: list[int], n: int, streamer, sampler=None) -> list[int]:
     if streamer is not None:
         streamer.put(torch.tensor([prompt]))
     on_token = (lambda new, text: new and streamer.put(torch.tensor(new))) if streamer is not None else None
-    gen = exact.generate(prompt, n, on_token=on_token)
+    gen = exact.generate(prompt, n, on_token=on_token, sampler=sampler)
     if streamer is not None:
         streamer.end()
     return gen.token_ids

@@ -9,6 +9,13 @@ catches its head up on the rows since the last round and chains d drafts; the ru
 token is kept; the runtime rolls back to the state captured at the last kept row. Every emitted
 token is the argmax of logits bit-identical to the serial control's, whatever the drafts were.
 
+Under a sampler (``decode(..., sampler=...)``) every emitted token is instead the sampler's pick
+from those logits at the token's absolute position, row by row (decoders/sampled.py), and a draft
+is kept iff it equals the pick at its row. The head drafts with the same noise (coupled). A
+window's rows are picked in order and the picking stops at the first rejected draft: a pick costs
+the GPU 0.2-0.9 ms on a 248k vocabulary, far more than the host wait each row's read adds, and
+the rows past a rejection are never needed. Greedy decoding runs the greedy code, unchanged.
+
 Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder arguments:
   max_depth      largest draft depth (window = depth + 1 rows), default 6
   depth          fix the depth instead of adapting (benchmarks)
@@ -22,6 +29,10 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
                  backbone and the model's own head are untouched
   online_costs   price depths by round times measured during the decode (policy.RoundTimes),
                  the start-up costs as their prior; false: by the start-up costs alone. Default true
+  coupled        under a sampler, draft with the target's noise (default true); false: the head's
+                 plain argmax
+  lazy_rows      under a sampler, pick a window's rows one by one up to the first rejection
+                 (default true); false: pick every row, then read them all at once
 
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
@@ -40,12 +51,14 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
+from core.sampling import GREEDY, Sampler
 from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head, load_shortlist,
                               shortlist_source)
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
+from decoders.sampled import TargetPicks
 from decoders.trace import Trace, TraceRow
 from decoders.trace import load as load_trace
 
@@ -95,7 +108,7 @@ class PhaseTimer:
 
 def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
     """How many leading drafts the verify window accepts: drafted[i] is kept while it equals the
-    model's own greedy token pred[i] at that row (pred has one row more than drafted)."""
+    model's own token pred[i] at that row (pred has one row more than drafted)."""
     j = 0
     while j < len(drafted) and pred[j] == drafted[j]:
         j += 1
@@ -133,10 +146,11 @@ class Pending:
 
 class SpecDecoder:
     name = "spec"
+    sampling = True
 
     def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
                  explore_every: int = 64, capacity: int = DEFAULT_CAPACITY, head: str | None = None,
-                 online_costs: bool = True):
+                 online_costs: bool = True, coupled: bool = True, lazy_rows: bool = True):
         self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
@@ -153,7 +167,11 @@ class SpecDecoder:
         if not isinstance(online_costs, bool):
             raise ValueError("online_costs must be true or false")
         self.online_costs = online_costs
+        if not isinstance(coupled, bool) or not isinstance(lazy_rows, bool):
+            raise ValueError("coupled and lazy_rows must be true or false")
+        self.coupled, self.lazy_rows = coupled, lazy_rows
         self.model = self.runtime = self.drafter = self.costs = None
+        self.picks: TargetPicks | None = None  # the sampled path's picks, made with the runtime
         self.cost_reps: dict | None = None  # every timed rep of measure_costs, in seconds
 
     # ------------------------------------------------------------------ setup
@@ -187,7 +205,9 @@ class SpecDecoder:
         ids = load_shortlist(path, self.model.vocab_size) if path else None
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
         # after plain steps, run in chunks of graphed sizes
-        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1)
+        self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1,
+                                  coupled=self.coupled)
+        self.picks = TargetPicks(self.model.device, self.runtime.use_graphs)
 
     def reserve(self, positions: int) -> None:
         """Room for every decode of ``len(prompt) + max_new_tokens <= positions`` (the protocol's),
@@ -263,7 +283,8 @@ class SpecDecoder:
                "shortlist": self.shortlist_source(),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
-               "explore_every": self.explore_every, "online_costs": self.online_costs}
+               "explore_every": self.explore_every, "online_costs": self.online_costs,
+               "coupled": self.coupled, "lazy_rows": self.lazy_rows}
         if self.runtime is not None:
             rt, dr = self.runtime, self.drafter
             cfg["sizing"] = {"capacity": rt.capacity, "static_bytes": rt.nbytes(),
@@ -299,14 +320,22 @@ class SpecDecoder:
         return drafts
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None,
+               sampler: Sampler | None = None) -> DecodeResult:
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
+        sampler = sampler or GREEDY
         eos = set(self.model.eos_token_ids)
         policy = self.new_policy(len(prompt_ids))
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
+        # greedy runs the greedy functions; a sampler, their sampled twins (same rounds, own picks)
+        if sampler.greedy:
+            prefill, plain_steps, spec_round = self._prefill, self._plain_steps, self._spec_round
+        else:
+            prefill, plain_steps, spec_round = self._prefill_sampled, self._plain_steps_sampled, self._spec_round_sampled
+        self.drafter.couple(sampler if self.coupled else None)
         with timer.phase("other"):
-            pending = self._prefill(prompt_ids)
+            pending = prefill(prompt_ids, sampler)
             tokens = [int(pending.y.item())]
         stats.forwards += 1
         if on_tokens is not None:
@@ -324,11 +353,11 @@ class SpecDecoder:
                 depth, step_from = 0, time.perf_counter()
             if depth == 0:
                 rounds = 1 if draft is not None else policy.plain_rounds(min(PLAIN_RUN, max_new_tokens - len(tokens)))
-                new = self._plain_steps(pending, rounds, eos)
+                new = plain_steps(pending, rounds, eos)
                 stats.extra["depth_trace"] += [0] * len(new)
             else:
                 stats.extra["depth_trace"].append(depth)
-                new = self._spec_round(pending, depth, len(tokens), timer)
+                new = spec_round(pending, depth, len(tokens), timer)
                 policy.update(depth, len(new) - 1)
                 stats.record_round(depth, len(new) - 1)
             now = time.perf_counter()  # the round's tokens were just read: a sync point
@@ -353,10 +382,23 @@ class SpecDecoder:
                 last = time.perf_counter()  # the callback's time belongs to no round
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
+        if not sampler.greedy:
+            stats.extra["rows_picked"] = self.picks.picked  # window rows and steps the sampler picked
         return DecodeResult(tokens, stats)
 
-    def _prefill(self, prompt_ids: list[int]) -> Pending:
+    def _prefill(self, prompt_ids: list[int], sampler: Sampler = GREEDY) -> Pending:
         _, hidden = self.runtime.prefill(prompt_ids)
+        pending = Pending(self.runtime)
+        pending.prompt = (hidden, prompt_ids)
+        return pending
+
+    def _prefill_sampled(self, prompt_ids: list[int], sampler: Sampler) -> Pending:
+        """The prefill; its token is the sampler's pick at len(prompt_ids), written where the
+        greedy prefill leaves its argmax (the head's pending row, and ``Pending.y``)."""
+        logits, hidden = self.runtime.prefill(prompt_ids)
+        self.picks.bind(sampler, self.runtime.programs.values())
+        p = len(prompt_ids)
+        self.runtime.state.row_next[:, p - 1:p].copy_(self.picks.first(logits, p))
         pending = Pending(self.runtime)
         pending.prompt = (hidden, prompt_ids)
         return pending
@@ -375,6 +417,20 @@ class SpecDecoder:
         rt, out = self.runtime, []
         for _ in range(rounds):
             pending.y = rt.step(pending.y).ws["argmax"]
+            out.append(int(pending.y.item()))
+            if out[-1] in eos:
+                break
+        return out
+
+    def _plain_steps_sampled(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
+        """As ``_plain_steps``, each token the sampler's pick, written to the head's pending row."""
+        rt, out = self.runtime, []
+        row_next = rt.state.row_next
+        for _ in range(rounds):
+            prog = rt.step(pending.y)
+            at = rt.length - 1  # the position the step consumed; its pick is the token after it
+            row_next[:, at].copy_(self.picks.row(prog, 0))
+            pending.y = row_next[:, at:at + 1]
             out.append(int(pending.y.item()))
             if out[-1] in eos:
                 break
@@ -408,6 +464,42 @@ class SpecDecoder:
         # the next round's inputs stay on the device with no copy
         return pred[:j + 1]
 
+    def _spec_round_sampled(self, pending: Pending, depth: int, emitted: int, timer: PhaseTimer) -> list[int]:
+        """As ``_spec_round``, the model's token at each row being the sampler's pick at that
+        row's position, and the window's kept rows' next tokens (the head's pending rows) those
+        picks rather than the rows' argmaxes."""
+        rt, dr = self.runtime, self.drafter
+        with timer.phase("draft"):
+            drafts = self.propose(dr.draft(*pending.take(), depth), emitted)
+        with timer.phase("verify"):
+            block = torch.cat([pending.y] + drafts, dim=1)
+            start = rt.length
+            prog = rt.verify(block)
+            pred, j = self._pick_window(prog, block, depth)
+        with timer.phase("rollback"):
+            rt.accept(j + 1)
+        row_next = rt.state.row_next
+        row_next[:, start:start + j + 1].copy_(self.picks.out(prog)[:j + 1])
+        pending.y = row_next[:, start + j:start + j + 1]
+        return pred[:j + 1]
+
+    def _pick_window(self, prog, block: torch.Tensor, depth: int) -> tuple[list[int], int]:
+        """The picks of the window's rows (as many as are known) and the accepted count j. Lazy:
+        row 0 with the drafts in one read, then one row per read while the drafts agree."""
+        picks = self.picks
+        if not self.lazy_rows:
+            rows = torch.stack([picks.row(prog, r) for r in range(depth + 1)]).view(1, -1)
+            both = torch.cat([rows, block[:, 1:]], dim=1).view(-1).tolist()
+            pred, drafted = both[:depth + 1], both[depth + 1:]
+            return pred, accepted_prefix(pred, drafted)
+        both = torch.cat([picks.row(prog, 0).view(1, 1), block[:, 1:]], dim=1).view(-1).tolist()
+        pred, drafted = both[:1], both[1:]
+        j = 0
+        while j < depth and pred[j] == drafted[j]:
+            j += 1
+            pred.append(int(picks.row(prog, j).item()))
+        return pred, j
+
 
 def file_sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
@@ -430,8 +522,9 @@ class InstrumentedSpecDecoder(SpecDecoder):
              was (``Trace.accepts``; a prompt the trace lacks, or a longer run, cycles through its
              rows), so a real head's acceptance pattern drives the costs of the model timed
     The control's stream comes from ``prepare_prompt``, which the harness calls untimed before a
-    prompt's legs; runs are marked as an instrument and the audit checks their exactness but
-    refuses to score them.
+    prompt's legs (with the legs' ``sampler``: under sampling it is the sampled control's stream,
+    and the right drafts are its tokens); runs are marked as an instrument and the audit checks
+    their exactness but refuses to score them.
     """
 
     name = "spec-instrument"
@@ -451,7 +544,8 @@ class InstrumentedSpecDecoder(SpecDecoder):
         deepest = self.max_depth if self.fixed is None else self.fixed
         if self.trace is not None and deepest > self.trace.max_depth:
             raise UserError(f"{trace}: traced to depth {self.trace.max_depth}, below the depth asked for ({deepest})")
-        self.reference: dict[tuple[int, ...], list[int]] = {}
+        # (prompt ids, sampler) -> the control's tokens
+        self.reference: dict[tuple[tuple[int, ...], Sampler], list[int]] = {}
         self._ref: list[int] = []  # the control's tokens for the prompt being decoded
         self._row: TraceRow | None = None  # the trace row that prompt replays
         self._rng = torch.Generator()  # the substitutions' draws, reseeded per decode
@@ -471,28 +565,37 @@ class InstrumentedSpecDecoder(SpecDecoder):
         return 2 * self.max_depth + 3
 
     @torch.inference_mode()
-    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Compute the control's tokens for this prompt (exact runtime, serial), untimed."""
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int, *, sampler: Sampler | None = None) -> None:
+        """Compute the control's tokens for this prompt under ``sampler`` (None: greedy) on the
+        exact runtime, one step per token as fast-serial decodes, untimed."""
+        sampler = sampler or GREEDY
         n = max_new_tokens + self.max_depth + 1
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         rt = self.runtime
         logits, _ = rt.prefill(prompt_ids)
-        tok = logits.argmax(-1).view(1, 1)
+        if sampler.greedy:
+            tok = logits.argmax(-1).view(1, 1)
+        else:
+            self.picks.bind(sampler, self.runtime.programs.values())
+            tok = self.picks.first(logits, len(prompt_ids))
         ref = [int(tok.item())]
         while len(ref) < n:
-            tok = rt.step(tok).ws["argmax"].view(1, 1)
+            prog = rt.step(tok)
+            tok = (prog.ws["argmax"] if sampler.greedy else self.picks.row(prog, 0)).view(1, 1)
             ref.append(int(tok.item()))
-        self.reference[tuple(prompt_ids)] = ref
+        self.reference[(tuple(prompt_ids), sampler)] = ref
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None) -> DecodeResult:
-        key = tuple(prompt_ids)
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None,
+               sampler: Sampler | None = None) -> DecodeResult:
+        sampler = sampler or GREEDY
+        key = (tuple(prompt_ids), sampler)
         if key not in self.reference or len(self.reference[key]) < max_new_tokens + self.max_depth + 1:
-            self.prepare_prompt(prompt_ids, max_new_tokens)
+            self.prepare_prompt(prompt_ids, max_new_tokens, sampler=sampler)
         self._ref = self.reference[key]
         self._row = self.trace.row_for(prompt_ids) if self.trace is not None else None
         self._rng = torch.Generator().manual_seed(self.seed)  # the same substitutions on every leg
-        return super().decode(prompt_ids, max_new_tokens, on_tokens=on_tokens)
+        return super().decode(prompt_ids, max_new_tokens, on_tokens=on_tokens, sampler=sampler)
 
     def right(self, emitted: int, k: int) -> bool:
         """Whether the round's k-th draft (1-based) is to be the control's token; the round

@@ -20,6 +20,7 @@ from decoders.base import DecodeResult, DecodeStats
 
 class SpecNaiveDecoder:
     name = "spec-naive"
+    sampling = False  # a greedy baseline: the harness and the API refuse a sampler for it
 
     def __init__(self, k: int = 3):
         if k < 1:

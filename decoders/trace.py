@@ -1,18 +1,24 @@
-"""Acceptance traces: which of the MTP head's chained drafts a model's own greedy stream accepts.
+"""Acceptance traces: which of the MTP head's chained drafts a model's own stream accepts.
 
     python -m decoders.trace --model small --prompts stdlib-heldout -n 256 --out FILE
                              [--max-depth 6] [--limit K] [--device DEV] [--head DIR] [--shortlist FILE]
+                             [--sampling SAMPLER [--uncoupled]]
 
 For every prompt the exact runtime decodes the greedy stream s_0..s_{m-1} (m <= n, ending early at
 EOS, as every decoder does). Teacher-forced along it, the drafter ``spec`` builds for the same
 arguments (its head, its shortlist) catches up on the true row of each position t (the backbone's
 hidden state there and s_t) and chains ``max_depth`` drafts from it; bit (t, k) records whether
 the k-th chained draft equals s_{t+k}, the token a round starting at s_t must match at depth k
-(1 <= k <= max_depth, t + k < m). A row's catch-up here is always one row, where ``spec`` catches up
+(1 <= k <= max_depth, t + k < m). With ``--sampling`` (``core.sampling.Sampler.parse``: a preset
+such as ``qwen-thinking,seed=7``, or ``temperature=0.6,top_p=0.95,seed=1``) the stream is the
+sampled control's and the drafts are ``spec``'s coupled drafts (the target's noise at each draft's
+position; ``--uncoupled``: plain argmax), so the trace is the head's acceptance under sampling.
+A row's catch-up here is always one row, where ``spec`` catches up
 on a round's accepted rows at once; a batched head forward may round differently, so a trace is
 the head's acceptance along the stream, not a record of any one ``spec`` run.
 
-The JSON file holds the source model (name and identity), the drafter's settings, the prompt set
+The JSON file holds the source model (name and identity), the drafter's settings (the sampler
+and the coupling among them), the prompt set
 (source, sha256, count), n, and per prompt its id, the sha256 of its token ids, the stream and one
 bit string per position ("1" accepted, "0" not); plus, per depth, the conditional acceptance
 P(draft k accepted | drafts 1..k-1 accepted) and the tokens per round a fixed depth gives.
@@ -35,10 +41,12 @@ from core import determinism
 from core.errors import UserError
 from core.models import load_model
 from core.prompts import load_prompts
+from core.sampling import Sampler, SamplerError
 from core.schema import write_json_atomic
 from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import capacity_for
+from decoders.sampled import TargetPicks
 
 FORMAT = "qwen35-exact/acceptance-trace/1"
 MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
@@ -52,7 +60,7 @@ def prompt_sha256(token_ids: list[int]) -> str:
 class TraceRow:
     prompt_id: str
     prompt_sha256: str
-    tokens: list[int]  # the greedy stream s_0..s_{m-1}
+    tokens: list[int]  # the stream s_0..s_{m-1} (greedy, or the recorded sampler's)
     bits: list[str]  # bits[t][k-1] == "1": the k-th draft chained from s_t equals s_{t+k}
 
 
@@ -114,11 +122,12 @@ def summarize(rows: list[list[str]], max_depth: int) -> dict:
 
 @torch.inference_mode()
 def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, max_depth: int,
-                  eos: set[int]) -> tuple[list[int], list[str]]:
-    """The greedy stream of one prompt and its bit strings (see the module docstring)."""
+                  eos: set[int], picks: TargetPicks | None = None) -> tuple[list[int], list[str]]:
+    """The stream of one prompt and its bit strings (see the module docstring): greedy, or with
+    ``picks`` (bound to a sampler) the sampled stream."""
     logits, hidden = runtime.prefill(prompt_ids)
     drafter.prefill(hidden, prompt_ids)
-    y = logits.argmax(-1).view(1, 1)
+    y = logits.argmax(-1).view(1, 1) if picks is None else picks.first(logits, len(prompt_ids))
     row_hidden = hidden[:, -1:]
     tokens, chains = [int(y.item())], []
     while True:
@@ -128,7 +137,7 @@ def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, 
         if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             break
         prog = runtime.step(y)
-        y = prog.ws["argmax"].view(1, 1).clone()
+        y = (prog.ws["argmax"] if picks is None else picks.row(prog, 0)).view(1, 1).clone()
         row_hidden = prog.ws["hidden"].clone()
         tokens.append(int(y.item()))
     drafts = torch.cat(chains, dim=0).tolist()  # [m, max_depth]
@@ -139,9 +148,10 @@ def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, 
 
 
 def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | None = None,
-           shortlist: str | None = None, progress=None) -> dict:
+           shortlist: str | None = None, progress=None, sampler: Sampler | None = None,
+           coupled: bool = True) -> dict:
     """Trace every prompt (``core.prompts.Prompt``) with the drafter ``spec`` builds for the same
-    ``head`` and ``shortlist`` arguments."""
+    ``head``, ``shortlist`` and ``coupled`` arguments, greedily or under ``sampler``."""
     if not 1 <= max_depth <= MAX_TRACE_DEPTH:
         raise UserError(f"--max-depth must be within 1..{MAX_TRACE_DEPTH}")
     if max_new_tokens < 1:
@@ -152,11 +162,18 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     longest = max(len(p.token_ids) for p in prompts) + max_new_tokens + max_depth + 2
     capacity = capacity_for(longest)
     runtime = ExactRuntime(model, capacity=capacity, windows=(1,))
-    drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1)
+    sampled = sampler is not None and not sampler.greedy
+    drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1,
+                         coupled=sampled and coupled)
+    picks = None
+    if sampled:
+        drafter.couple(sampler if coupled else None)
+        picks = TargetPicks(runtime.device, runtime.use_graphs)
+        picks.bind(sampler, runtime.programs.values())
     eos = set(model.eos_token_ids)
     rows = []
     for i, p in enumerate(prompts):
-        tokens, bits = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos)
+        tokens, bits = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos, picks)
         rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits})
         if progress:
             progress(i + 1, len(prompts), len(tokens))
@@ -165,7 +182,8 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
         "format": FORMAT,
         "model": {"name": model.name, "identity": model.identity},
         "drafter": {"head": head, "head_sha256": hashlib.sha256(head_file.read_bytes()).hexdigest() if head_file else None,
-                    "shortlist": source, "shortlist_size": None if ids is None else len(set(ids))},
+                    "shortlist": source, "shortlist_size": None if ids is None else len(set(ids)),
+                    "sampler": sampler.to_json() if sampled else None, "coupled": sampled and coupled},
         "max_new_tokens": max_new_tokens,
         "max_depth": max_depth,
         "rows": rows,
@@ -217,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head", default=None, help="a directory written by `heads train` (as spec's head=)")
     ap.add_argument("--shortlist", default=None, help="draft shortlist JSON (as spec's shortlist=)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--sampling", default=None, metavar="SAMPLER",
+                    help="trace the sampled stream (core.sampling: e.g. qwen-thinking,seed=7) with coupled drafts")
+    ap.add_argument("--uncoupled", action="store_true", help="with --sampling: drafts by plain argmax")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -227,11 +248,18 @@ def main(argv=None) -> int:
             raise UserError("--limit must be >= 1")
         if args.out.is_dir():
             raise UserError(f"--out {str(args.out)!r} is a directory; give a file name")
+        if args.uncoupled and args.sampling is None:
+            raise UserError("--uncoupled needs --sampling")
+        try:
+            sampler = Sampler.parse(args.sampling) if args.sampling is not None else None
+        except SamplerError as exc:
+            raise UserError(f"--sampling: {exc}") from None
         model = load_model(args.model, args.device)
         model.require_mtp("trace")
         prompts, info = load_prompts(args.prompts, model, args.limit)
         data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,
-                      lambda i, k, m: print(f"traced {i}/{k} ({m} tokens)", file=sys.stderr, flush=True))
+                      lambda i, k, m: print(f"traced {i}/{k} ({m} tokens)", file=sys.stderr, flush=True),
+                      sampler=sampler, coupled=not args.uncoupled)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,14 @@
   SkipLayers   skips backbone layers to go fast: wrong logits          -> exactness finding
   PromptCache  serial the first time, then tokens cached on the request -> warm-leg finding
 
+Sampling cheats (``sampling = True``; greedy, each decodes exactly), each wrong at the first token
+its shortcut changes (tests/test_sampled.py finds that token and its position):
+
+  OtherSeed          samples with the seed after the one asked for
+  ShiftedPositions   samples each token with the noise of the position after its own
+  DropsFilter        samples at the temperature but ignores top-k, top-p and min-p
+  DraftDistribution  spec that keeps every coupled draft unchecked (the draft's distribution)
+
 Attacks on the timing from inside the harness's process (tests/test_timing_integrity.py):
 
   WarmupCache         every decode computes ``horizon`` tokens and caches them on the prompt, so a
@@ -42,9 +50,10 @@ import torch
 from torch import nn
 
 from core.mtp import new_mtp_cache
+from core.sampling import GREEDY, Sampler
 from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.serial import SerialDecoder
-from decoders.spec import InstrumentedSpecDecoder
+from decoders.spec import InstrumentedSpecDecoder, SpecDecoder
 
 
 def serial_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
@@ -115,6 +124,91 @@ class Unverified:
                     break
             pos += self.k + 1
         return DecodeResult(tokens, stats)
+
+
+class _SampledSerial:
+    """Serial decoding (HF forward + DynamicCache) whose token at each absolute position is
+    ``choose(sampler, logits_row, position)``: here the control's own pick."""
+
+    name = "sampled-serial"
+    sampling = True
+
+    def __init__(self):
+        self.model = None
+
+    def prepare(self, model) -> None:
+        self.model = model
+
+    def config(self) -> dict:
+        return {"cheat": self.name}
+
+    def choose(self, sampler: Sampler, row: torch.Tensor, position: int) -> int:
+        return sampler.pick(row, position)
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, *, on_tokens=None,
+               sampler: Sampler | None = None) -> DecodeResult:
+        from transformers import DynamicCache
+
+        sampler = sampler or GREEDY
+        lm, eos = self.model.backbone, set(self.model.eos_token_ids)
+        cache = DynamicCache(config=lm.config)
+        out = lm(input_ids=torch.tensor([prompt_ids], device=self.model.device), past_key_values=cache,
+                 use_cache=True, logits_to_keep=1)
+        tokens = []
+        while True:
+            row, position = out.logits[0, -1], len(prompt_ids) + len(tokens)
+            tok = sampler.pick(row, position) if sampler.greedy else self.choose(sampler, row, position)
+            tokens.append(tok)
+            if tok in eos or len(tokens) >= max_new_tokens:
+                return DecodeResult(tokens, DecodeStats(forwards=len(tokens)))
+            out = lm(input_ids=torch.tensor([[tok]], device=self.model.device), past_key_values=cache,
+                     use_cache=True, logits_to_keep=1)
+
+
+class OtherSeed(_SampledSerial):
+    """Samples with seed + 1: every token an honest sample, none the one asked for."""
+
+    name = "other-seed"
+
+    def choose(self, sampler, row, position):
+        return Sampler(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p,
+                       (sampler.seed + 1) % 2 ** 64).pick(row, position)
+
+
+class ShiftedPositions(_SampledSerial):
+    """Draws each token's noise at the next position (an off-by-one in the position count)."""
+
+    name = "shifted-positions"
+
+    def choose(self, sampler, row, position):
+        return sampler.pick(row, position + 1)
+
+
+class DropsFilter(_SampledSerial):
+    """Samples at the asked temperature from the whole softmax: top-k, top-p, min-p ignored."""
+
+    name = "drops-filter"
+
+    def choose(self, sampler, row, position):
+        return Sampler(temperature=sampler.temperature, seed=sampler.seed).pick(row, position)
+
+
+class DraftDistribution(SpecDecoder):
+    """``spec`` at depth 3 that keeps every coupled draft without comparing it with the target's
+    pick: the tokens follow the draft's distribution; only each round's last token is the
+    target's. Greedy it is spec itself."""
+
+    name = "draft-distribution"
+
+    def __init__(self, **kwargs):
+        super().__init__(**{"depth": 3, **kwargs})
+
+    def _pick_window(self, prog, block, depth):
+        out = self.picks.out(prog)
+        out[:depth].copy_(block[0, 1:])  # the drafts, unchecked
+        self.picks.row(prog, depth)  # the target's token after them
+        return out[:depth + 1].tolist(), depth
 
 
 class _Skip(nn.Module):
@@ -276,14 +370,14 @@ class UnmarkedInstrument(InstrumentedSpecDecoder):
         super().__init__(**kwargs)
         self.decoding = False
 
-    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+    def prepare_prompt(self, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> None:
         type(self).calls.append((list(prompt_ids), self.decoding))
-        super().prepare_prompt(prompt_ids, max_new_tokens)
+        super().prepare_prompt(prompt_ids, max_new_tokens, **kwargs)
 
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> DecodeResult:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> DecodeResult:
         self.decoding = True
         try:
-            return super().decode(prompt_ids, max_new_tokens)
+            return super().decode(prompt_ids, max_new_tokens, **kwargs)
         finally:
             self.decoding = False
 

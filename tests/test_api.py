@@ -10,6 +10,7 @@ import pytest
 
 from core.errors import UserError
 from core.models import TINY_DIR
+from core.sampling import Sampler
 from decoders.api import Cancelled, ExactDecoder, Generation, GenerationStats, open_decoder
 from decoders.base import DecodeResult, DecodeStats
 from decoders.serial import SerialDecoder
@@ -257,3 +258,43 @@ def test_bad_open_is_a_user_error(kwargs, match):
 def test_bad_generate_is_a_user_error(opened, prompt, n, match):
     with pytest.raises(UserError, match=match):
         opened("tiny", "fast-serial").generate(prompt, n)
+
+
+@pytest.mark.parametrize("name", ["spec", "fast-serial"])
+def test_sampler_argument_gives_serial_sampling(opened, name):
+    """``generate(sampler=...)`` (a Sampler or its text) emits the control's sampled tokens and
+    records the sampler; ``open_decoder(sampler=...)`` sets the default; T = 0 is greedy."""
+    dec = opened("tiny", name)
+    control = SerialDecoder()
+    control.prepare(dec.model)
+    ids = dec.encode(PROMPTS[1])
+    for given in ("qwen-thinking,seed=3", Sampler(temperature=1.0, top_p=0.8, seed=2 ** 64 - 1)):
+        want = Sampler.parse(given) if isinstance(given, str) else given
+        batches = []
+        gen = dec.generate(ids, N, sampler=given, on_token=lambda new, text: batches.append(new))
+        assert gen.token_ids == control.decode(ids, N, sampler=want).tokens
+        assert [t for b in batches for t in b] == gen.token_ids and gen.sampler == want
+    greedy = dec.generate(ids, N, sampler="temperature=0,seed=4")
+    assert greedy.token_ids == serial_tokens(dec, ids, N) and greedy.sampler is None
+    default = ExactDecoder(dec.decoder, dec.model, sampler="qwen-instruct,seed=1")
+    assert default.generate(ids, 9).token_ids == control.decode(ids, 9, sampler=Sampler.parse("qwen-instruct,seed=1")).tokens
+    assert default.generate(ids, 9, sampler="greedy").token_ids == serial_tokens(dec, ids, 9)
+
+
+def test_a_sampler_is_refused_where_it_cannot_be_honoured(tiny, opened):
+    with pytest.raises(UserError, match="greedily only"):
+        open_decoder("tiny", "spec-naive", device="cpu", sampler="qwen-thinking")
+    from decoders.spec_naive import SpecNaiveDecoder
+
+    inner = SpecNaiveDecoder()
+    inner.prepare(tiny)
+    naive = ExactDecoder(inner, tiny)
+    assert naive.generate([5, 6, 7], 3, sampler="greedy").token_ids  # greedy is always fine
+    with pytest.raises(UserError, match="greedily only"):
+        naive.generate([5, 6, 7], 3, sampler=Sampler(temperature=0.5))
+    for bad, match in (("temperature=-1", "sampler: temperature"), ("nonsense", "sampler: unknown sampler preset"),
+                       (0.7, "sampler must be")):
+        with pytest.raises(UserError, match=match):
+            opened("tiny", "spec").generate([5, 6, 7], 3, sampler=bad)
+        with pytest.raises(UserError, match=match):
+            open_decoder("tiny", "spec", device="cpu", sampler=bad)

@@ -17,10 +17,12 @@ from transformers import DynamicCache
 
 from core import determinism
 from core.models import load_model
+from core.sampling import PRESETS, Sampler
 from decoders import get_decoder
 from decoders.drafter import MTPDrafter
 from decoders.runtime.lanes import Lanes
 from decoders.runtime.runtime import ExactRuntime
+from decoders.sampled import TargetPicks
 from decoders.serial import SerialDecoder
 from fixtures.prompts import DEV_PROMPTS
 from test_runtime import assert_state_equal, random_model, snapshot  # helpers of that test module (tests/ is on the path)
@@ -116,13 +118,18 @@ def test_graphed_windows_rollback_and_continue_equal_the_control(models, which):
     assert len(rt._rollback_graphs) >= 5  # rollbacks ran as captured graphs
 
 
-def test_drafter_graphs_equal_the_same_drafter_eager(models):
+@pytest.mark.parametrize("coupled", [False, True])
+def test_drafter_graphs_equal_the_same_drafter_eager(models, coupled):
     """Catch-ups of every graphed size (and longer ones in chunks) and chained steps, replayed
-    from graphs, draft and write K/V exactly as the same functions run eagerly."""
+    from graphs, draft and write K/V exactly as the same functions run eagerly; coupled to a
+    sampler's noise (the coupled graphs, T and the seed read from device tensors) too."""
     model = models["tiny"]
     cap, dev = 256, model.device
-    graphed = MTPDrafter(model, cap, max_rows=7)
-    eager = MTPDrafter(model, cap, max_rows=7, use_graphs=False)
+    graphed = MTPDrafter(model, cap, max_rows=7, coupled=coupled)
+    eager = MTPDrafter(model, cap, max_rows=7, use_graphs=False, coupled=coupled)
+    if coupled:
+        for d in (graphed, eager):
+            d.couple(Sampler(temperature=0.8, seed=2 ** 63 + 11))
     assert graphed.pool is not None and eager.pool is None
     assert all(graphs is not None for _, graphs in graphed._rows.values())
     g = torch.Generator().manual_seed(0)
@@ -293,3 +300,75 @@ def test_graphed_prefill_scan_is_proven_and_equals_the_control(models, which, mo
         for got, want in zip(prefill.cache_tensors(got_cache, text.config),
                              prefill.cache_tensors(want_cache, text.config)):
             assert torch.equal(got, want), length
+
+
+SAMPLED = [Sampler(temperature=0.3, seed=1), Sampler(temperature=0.6, seed=2), Sampler(temperature=1.0, seed=3),
+           Sampler(**PRESETS["qwen-thinking"], seed=4), Sampler(temperature=1.0, top_p=0.8, min_p=0.02, seed=2 ** 64 - 1)]
+
+
+class _Rows:
+    """What TargetPicks reads of a window program: its logits, positions, start and width."""
+
+    def __init__(self, logits: torch.Tensor, start: int):
+        self.w = logits.shape[1]
+        self.ws = {"logits": logits}
+        self.positions = torch.arange(start, start + self.w, device=logits.device)
+        self.start = start
+
+
+@torch.inference_mode()
+def test_graphed_picks_equal_pick_tensor_on_the_9b_vocabulary():
+    """A pick replayed from its CUDA graph (seed and position read from device tensors) is
+    ``Sampler.pick_tensor`` on the same row, bit for bit, for every filter, on 248,320 logits;
+    allowed_mask itself captures (no host copy inside it)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(1, 7, 248320, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    prog = _Rows(logits, start=1000)
+    picks = TargetPicks(torch.device("cuda"), use_graphs=True)
+    for sampler in SAMPLED + [Sampler(temperature=0.7, top_k=20, seed=5)]:
+        picks.bind(sampler)
+        for rep in range(3):
+            logits.copy_((torch.randn(1, 7, 248320, device="cuda", generator=g) * 3).to(torch.bfloat16))
+            prog.positions.copy_(torch.arange(1000 + 9 * rep, 1007 + 9 * rep, device="cuda"))
+            prog.start = 1000 + 9 * rep
+            got = [int(picks.row(prog, r)) for r in range(7)]
+            want = [sampler.pick(logits[0, r], prog.start + r + 1) for r in range(7)]
+            assert got == want, (sampler, rep)
+        assert len(picks._graphs[tuple(picks._graphs)[-1]]) == 7  # one graph per row, reused
+
+
+@pytest.fixture(scope="module")
+def sampled_serial_tokens(models):
+    model = models["tiny"]
+    tok = model.tokenizer.get()
+    prompts = [tok.encode(p["text"]) for p in DEV_PROMPTS[:3]]
+    serial = SerialDecoder()
+    serial.prepare(model)
+    return prompts, {s: [serial.decode(ids, 64, sampler=s).tokens for ids in prompts] for s in SAMPLED}
+
+
+@pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec", {}), ("spec", {"depth": 3}),
+                                         ("spec", {"depth": 3, "coupled": False}),
+                                         ("spec", {"depth": 4, "lazy_rows": False}),
+                                         ("spec-instrument", {"alpha": 0.6, "max_depth": 6}),
+                                         ("spec-instrument", {"alpha": 0.8, "depth": 3}),
+                                         ("spec-instrument", {"alpha": 1.0, "depth": 5})])
+def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial_tokens, name, kwargs):
+    """At T in {0.3, 0.6, 1.0}, with and without top-k / top-p / min-p, every token equals the
+    serial control's under the same sampler, through the graphed steps, windows, rollbacks,
+    coupled drafts and graphed picks; greedy after sampling is still the greedy stream."""
+    prompts, want = sampled_serial_tokens
+    dec = get_decoder(name, **kwargs)
+    dec.prepare(models["tiny"])
+    assert dec.config()["graphs"] is True and dec.sampling
+    accepted = 0
+    for sampler in SAMPLED:
+        for ids, ref in zip(prompts, want[sampler]):
+            for _ in range(2):  # a second decode reuses every captured graph
+                res = dec.decode(ids, 64, sampler=sampler)
+                assert res.tokens == ref, (sampler, ids[:4])
+            accepted += res.stats.accepted
+    if name == "spec-instrument" and "depth" in kwargs:
+        assert accepted > 0
+    greedy_prompts, greedy_want = serial_tokens
+    assert dec.decode(greedy_prompts[0], 96).tokens == greedy_want[0]

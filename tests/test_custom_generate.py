@@ -12,8 +12,10 @@ from transformers import Qwen3_5ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from core.models import SMALL_DIR, TINY_DIR
+from core.sampling import Sampler
 from decoders import hf_generate
 from decoders.hf_generate import CUSTOM_GENERATE_DIR
+from decoders.serial import SerialDecoder
 
 # on `small`, greedy decoding emits an EOS right after this prompt
 EOS_PROMPT = "if __name__ == '__main__':\n    main()\n"
@@ -107,6 +109,22 @@ def test_what_greedy_exactness_cannot_honour_is_refused(hf, kw, match):
     _, model, _ = hf
     with pytest.raises(ValueError, match=match):
         exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kw)
+
+
+def test_seeded_sampler_gives_serial_sampling(hf):
+    """``sampler=`` (this project's seeded sampler, not HF's do_sample) decodes exactly what the
+    serial control samples with it; a bad one, or one for a greedy-only decoder, is refused."""
+    _, model, tok = hf
+    ids = torch.tensor([tok.encode("def fib(n):")])
+    got = exact(model, ids, max_new_tokens=12, sampler="qwen-thinking,seed=2")
+    control = SerialDecoder()
+    control.prepare(hf_generate.loaded_model(model, hf_generate.token_ids(model.generation_config.eos_token_id)))
+    want = control.decode(ids[0].tolist(), 12, sampler=Sampler.parse("qwen-thinking,seed=2")).tokens
+    assert got[0, ids.shape[1]:].tolist() == want
+    with pytest.raises(ValueError, match="sampler: temperature"):
+        exact(model, ids, max_new_tokens=4, sampler="temperature=-1")
+    with pytest.raises(ValueError, match="greedily only"):
+        exact(model, ids, max_new_tokens=4, sampler="qwen-thinking", decoder="spec-naive")
 
 
 def test_model_without_mtp_falls_back_to_fast_serial(tmp_path):

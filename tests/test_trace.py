@@ -14,6 +14,7 @@ import pytest
 from core.errors import UserError
 from core.models import load_model
 from core.prompts import load_prompts
+from core.sampling import Sampler
 from core.schema import write_json_atomic
 from decoders import get_decoder
 from decoders import trace as T
@@ -124,6 +125,43 @@ def test_instrument_accepts_exactly_the_traced_drafts(tiny, prompts, streams, tm
     assert accepted > N  # the dense trace drives long accepted runs
     if "depth" not in args:
         assert len(set(res.stats.extra["depth_trace"])) > 2
+
+
+def test_sampled_trace_follows_the_sampled_stream_and_its_replay_is_exact(tiny, prompts, tmp_path, capsys):
+    """``--sampling``: the stream is the sampled control's; coupled drafts accept more than plain
+    argmax ones on tiny at T = 1 (both near uniform, so the shared noise decides); replaying a
+    trace under that sampler, the instrument accepts the traced drafts and emits the sampled
+    control's stream."""
+    sampler = Sampler(temperature=1.0, seed=4)
+    serial = SerialDecoder()
+    serial.prepare(tiny)
+    sampled = [serial.decode(p.token_ids, 24, sampler=sampler).tokens for p in prompts]
+    coupled = T.record(tiny, prompts, 24, max_depth=3, sampler=sampler)
+    plain = T.record(tiny, prompts, 24, max_depth=3, sampler=sampler, coupled=False)
+    assert [r["tokens"] for r in coupled["rows"]] == [r["tokens"] for r in plain["rows"]] == sampled
+    assert coupled["drafter"]["sampler"] == sampler.to_json() and coupled["drafter"]["coupled"] is True
+    assert plain["drafter"]["coupled"] is False
+    first = [data["acceptance"]["per_depth"][0]["accepted"] for data in (coupled, plain)]
+    assert first[0] > 2 * first[1] + 2
+    path = tmp_path / "dense.json"
+    write_json_atomic(path, dense_trace(prompts, sampled, 3, seed=9))
+    trace = T.load(path)
+    dec = get_decoder("spec-instrument", trace=str(path), depth=3)
+    dec.prepare(tiny)
+    for p, want in zip(prompts, sampled):
+        res = dec.decode(p.token_ids, 24, sampler=sampler)
+        assert res.tokens == want
+        hist, _ = replay_rounds(trace, trace.row_for(p.token_ids), res.stats.extra["depth_trace"])
+        assert {int(k): v for k, v in res.stats.to_json()["accept_hist"].items()} == hist
+    out = tmp_path / "t.json"
+    assert T.main(["--model", "tiny", "--prompts", "dev", "--limit", "1", "-n", "8", "--max-depth", "2",
+                   "--sampling", "qwen-thinking,seed=3", "--out", str(out)]) == 0
+    assert T.load(out).meta["drafter"]["sampler"]["top_k"] == 20
+    capsys.readouterr()
+    for argv, needle in ((["--sampling", "temperature=-1"], "--sampling"), (["--uncoupled"], "--uncoupled")):
+        assert T.main(["--model", "tiny", *argv, "--out", str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
 
 
 def test_other_prompts_and_longer_runs_cycle_through_the_trace(tiny, prompts, streams, tmp_path):

@@ -1,0 +1,131 @@
+"""Sampling on the exact runtime: the target's picks, row by row, and the coupled draft.
+
+Target. Every emitted token is ``core.sampling``'s pick at its absolute position from a logits row
+bit-identical to the control's, each row in its own call. On a CPU a row's pick IS
+``sampler.pick_tensor``. On a GPU it is the same ops (``pick_at``: the same copy to float64,
+``allowed_mask`` and ``gumbel``) captured in a CUDA graph per (window program, row, sampler
+settings), which reads the seed and the row's position from device tensors: the hash is integer
+arithmetic, exact whether an operand is a Python int or a tensor, so the noise has the same bits,
+and a pick costs one launch instead of ~80. tests/test_sampled.py and tests/test_cuda.py check
+both against ``pick_tensor``.
+
+Coupled draft. The MTP head proposes the token at position q as the argmax over its vocabulary
+(the shortlist where one is used; ``v`` the full-vocabulary id) of
+``draft_logits[v] / T + G(seed, q, v)``, the target's own noise at that position: where the
+head's distribution is close to the target's, the two argmaxes agree far more often than the
+head's plain argmax agrees with a sample. No filter is applied to the draft: a draft is only a
+proposal, kept only when it equals the target's pick, and on ``small`` the draft's own filter added
+0-5% tokens per round (docs/decoders.md) for a sort per draft step. ``coupled=False`` drafts by
+plain argmax.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from core.sampling import _M32, Sampler, _fmix32, allowed_mask, gumbel, position_key
+from decoders.runtime.graphs import capture_segments
+
+
+def device_seed(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 that holds its bits (two's complement above 2**63-1):
+    ``seed & 0xFFFFFFFF`` and ``(seed >> 32) & 0xFFFFFFFF`` read the same halves from either."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def pick_at(sampler: Sampler, row: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``sampler.pick_tensor(row, position)`` for a non-greedy sampler, with the seed
+    (``device_seed``) and the position as int64 device tensors, so a CUDA graph can replay it for
+    any seed and position. The same ops in the same order on the same shapes."""
+    z = row.reshape(-1).to(torch.float64, copy=True) / sampler.temperature
+    allowed = allowed_mask(z, sampler)
+    noise = gumbel(seed, position, z.numel(), z.device)
+    return torch.where(allowed, z + noise, -math.inf).argmax(-1)
+
+
+def gumbel_at(seed, position, ids: torch.Tensor) -> torch.Tensor:
+    """``core.sampling.gumbel(seed, position, V)[ids]`` for int64 token ids, computed at those ids
+    only (the coupled draft's noise over a shortlist). float64, shaped like ``ids``."""
+    k1, k2 = position_key(seed, position)
+    h = _fmix32((_fmix32(ids ^ k1) + k2) & _M32)
+    u = (h.to(torch.float64) + 0.5) * 2.0 ** -32
+    return -torch.log(-torch.log(u))
+
+
+def settings(sampler: Sampler) -> tuple:
+    """What a captured pick bakes in: everything but the seed (read from a tensor)."""
+    return sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p
+
+
+class TargetPicks:
+    """The target's token at each row of a runtime's windows under one bound sampler.
+
+    ``row(prog, r)`` picks row r of the program's last run (its logits ``prog.ws["logits"][0, r]``
+    at position ``prog.start + r + 1``) into ``out(prog)[r]`` and returns that 0-d view; no host
+    sync. Graphs (GPU) are kept for the ``max_settings`` most recent sampler settings."""
+
+    def __init__(self, device, use_graphs: bool, max_settings: int = 4):
+        self.device = device
+        self.use_graphs = use_graphs
+        self.warmup_stream = torch.cuda.Stream(device) if use_graphs else None  # one for all its captures
+        self.max_settings = max_settings
+        self.sampler: Sampler | None = None
+        self.seed = torch.zeros((), dtype=torch.long, device=device)
+        self._out: dict[int, tuple] = {}  # id(prog) -> (prog, [w] int64): the program held, so its id stays its own
+        self._graphs: OrderedDict = OrderedDict()  # settings -> {(id(prog), r): (graph, logits ptr)}
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.picked = 0  # rows picked since the last bind
+
+    def bind(self, sampler: Sampler, programs=()) -> None:
+        """Pick with ``sampler`` (non-greedy) from now on. On the GPU every row of ``programs``
+        gets its graph now, so that no capture falls inside a later decode's rounds."""
+        if sampler.greedy:
+            raise ValueError("TargetPicks is for sampled decoding; greedy decoding takes the runtime's argmax")
+        self.sampler = sampler
+        self.seed.fill_(device_seed(sampler.seed))
+        self.picked = 0
+        if self.use_graphs:
+            for prog in programs:
+                for r in range(prog.w):
+                    self._graph(prog, r)
+
+    def first(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """The prefill's token (``sampler.pick_tensor`` itself, eager: once per decode), [1,1]."""
+        return self.sampler.pick_tensor(logits, position).view(1, 1)
+
+    def out(self, prog) -> torch.Tensor:
+        key = id(prog)
+        if key not in self._out:
+            self._out[key] = (prog, torch.zeros(prog.w, dtype=torch.long, device=self.device))
+        return self._out[key][1]
+
+    def row(self, prog, r: int) -> torch.Tensor:
+        out = self.out(prog)
+        self.picked += 1
+        if not self.use_graphs:
+            out[r] = self.sampler.pick_tensor(prog.ws["logits"][0, r], prog.start + r + 1)
+            return out[r]
+        self._graph(prog, r).replay()
+        return out[r]
+
+    def _graph(self, prog, r: int) -> torch.cuda.CUDAGraph:
+        key = settings(self.sampler)
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            while len(self._graphs) >= self.max_settings:
+                self._graphs.popitem(last=False)
+            graphs = self._graphs[key] = {}
+        self._graphs.move_to_end(key)
+        logits = prog.ws["logits"]
+        held = graphs.get((id(prog), r))
+        if held is None or held[1] != logits.data_ptr():
+            sampler, out, positions = self.sampler, self.out(prog), prog.positions
+
+            def pick():
+                out[r].copy_(pick_at(sampler, logits[0, r], self.seed, positions[r] + 1))
+
+            graph = capture_segments([("graph", pick)], self.pool, warmup_stream=self.warmup_stream)[0]
+            held = graphs[(id(prog), r)] = (graph, logits.data_ptr(), prog)
+        return held[0]
