@@ -14,27 +14,29 @@ from decoders.runtime.runtime import ExactRuntime
 class FastSerialDecoder:
     name = "fast-serial"
 
-    def __init__(self, capacity: int | None = None):
+    def __init__(self, capacity: int | None = None, stack_gate_up: bool = True):
         self.capacity = capacity
+        self.stack_gate_up = stack_gate_up  # False: the MLP's gate and up as two GEMMs (to measure the one)
         self.model = None
         self.runtime = None
 
     def prepare(self, model, capacity: int | None = None) -> None:
         self.model = model
         cap = capacity or self.capacity or 4096
-        self.runtime = ExactRuntime(model, capacity=cap, windows=(1,))
+        self.runtime = ExactRuntime(model, capacity=cap, windows=(1,), stack_gate_up=self.stack_gate_up)
 
     def config(self) -> dict:
         rt = self.runtime
         return {"capacity": rt.capacity if rt else self.capacity, "graphs": bool(rt and rt.use_graphs),
-                "prefill": rt.prefill_how if rt else None, "calibration": rt.cal.to_json() if rt else None}
+                "prefill": rt.prefill_how if rt else None, "stack_gate_up": self.stack_gate_up,
+                "gate_up_rows": rt.gate_up_rows if rt else None, "calibration": rt.cal.to_json() if rt else None}
 
     def ensure_capacity(self, needed: int) -> ExactRuntime:
         """Static buffers are sized up front; a longer request gets a larger runtime (rounded up
         to 1024 positions), never a silent overflow."""
         if needed > self.runtime.capacity:
             self.runtime = ExactRuntime(self.model, capacity=-(-needed // 1024) * 1024, windows=(1,),
-                                        cal=self.runtime.cal)
+                                        cal=self.runtime.cal, stack_gate_up=self.stack_gate_up)
         return self.runtime
 
     @torch.inference_mode()
