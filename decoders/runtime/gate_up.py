@@ -35,13 +35,15 @@ def stack_gate_up(lm) -> dict[int, torch.Tensor]:
 
 
 def stackable(mlp) -> bool:
-    """Two bias-free projections of one shape, dtype and device, contiguous, whose stacked buffer
-    would start the up half on an ``ALIGN_BYTES`` boundary."""
+    """Two plain bias-free Linears (whose forward is ``F.linear(x, weight)``) of one shape, dtype
+    and device, with contiguous weights, whose stacked buffer would start the up half on an
+    ``ALIGN_BYTES`` boundary."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    if not all(isinstance(m, torch.nn.Linear) and m.bias is None for m in (gate, up)):
+    if not all(type(m) is torch.nn.Linear and m.bias is None and type(m.weight) is torch.nn.Parameter
+               for m in (gate, up)):
         return False
     g, u = gate.weight, up.weight
-    return (g.shape == u.shape and g.dtype == u.dtype and g.device == u.device
+    return (g.shape == u.shape and g.dtype == u.dtype and g.device == u.device and g.device.type != "meta"
             and g.is_contiguous() and u.is_contiguous() and g.numel() * g.element_size() % ALIGN_BYTES == 0)
 
 
