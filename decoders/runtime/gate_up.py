@@ -22,14 +22,14 @@ ALIGN_BYTES = 512
 def stack_gate_up(lm) -> dict[int, torch.Tensor]:
     """Layer index -> the [2I, H] buffer that layer's gate and up weights are views of, for every
     decoder layer whose MLP can be stacked (made on the first call, found on later ones)."""
-    out = {}
+    out, moved = {}, False
     for idx, layer in enumerate(lm.model.layers):
         weight = stacked_weight(layer.mlp)
         if weight is None and stackable(layer.mlp):
-            weight = move_into_one_buffer(layer.mlp)
+            weight, moved = move_into_one_buffer(layer.mlp), True
         if weight is not None:
             out[idx] = weight
-    if out and next(iter(out.values())).device.type == "cuda":
+    if moved and next(iter(out.values())).device.type == "cuda":
         torch.cuda.empty_cache()  # the old weights' blocks, now free, go back to the device
     return out
 
