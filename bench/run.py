@@ -6,7 +6,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
 
   runtime     bench/runtime_bench.py on synthetic-9b: control, fast-serial step, verify windows
               w = 1..8 and rollback, every runtime logit compared bit for bit with the control's,
-              for a runtime on one stream and one with its lanes
+              for a runtime on one stream and one with its lanes, each with the MLP's gate and up
+              projections as one GEMM (where calibrated) and as two; last, the step's ms and kernel
+              count of all four side by side
   probe       bench/exactness_probe.py: verify windows replayed against serial steps, op class by op class
   profile     bench/profile_runtime.py: busy and kernel time, kernel count per step and window (one
               stream and lanes), draft step and prefill
@@ -142,7 +144,7 @@ def replay_throughput_steps(out: Path) -> list[Step]:
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
-                                 "--lanes", "1,auto", "--json", str(out / "runtime.json")))]
+                                 "--lanes", "1,1:unstacked,auto,auto:unstacked", "--json", str(out / "runtime.json")))]
     if name == "probe":
         return [Step("probe", (PY, "bench/exactness_probe.py", "--model", "synthetic-9b",
                                "--prompt", "random-1,random-2,random-3", "-n", "256",

@@ -7,8 +7,13 @@ ms/token and the weight bandwidth it achieves; the cost of a verify window of w 
 one fast-serial step; the cost of a rollback; peak memory of each; and checks that every logit the
 runtime computed (steps and every window row) is bit-identical to the control's at that position.
 With ``--lanes 1,auto`` it measures a runtime without and one with its parallel streams, one after
-the other in one process. Exits 1 if any logit differs.
-Prints a table last; --json writes every raw number.
+the other in one process; ``auto:unstacked`` is that runtime with each MLP's gate and up projections
+as two GEMMs instead of one over their stacked weight (``ExactRuntime(stack_gate_up=False)``). On a
+GPU every runtime's step is also profiled once eagerly for its kernel count (the kernels its graph
+replays). Last, the control runs again on the model whose gate and up weights the runtimes moved
+into one buffer, and must give its first logits bit for bit. Exits 1 if any logit differs.
+Prints the full table, then the fast-serial step of every runtime side by side (the last table);
+--json writes every raw number.
 """
 from __future__ import annotations
 
@@ -125,9 +130,13 @@ def rollback_pass(rt, prompt, tokens, w=8, reps=20):
     return times
 
 
+PROFILED_STEPS = 3
+
+
 @torch.inference_mode()
-def profile_step(rt, tokens):
-    """Kernel-time breakdown of eager runs of the step program (the kernels the graphs replay)."""
+def profile_step(rt, tokens, show: bool) -> dict:
+    """Kernel count and GPU kernel time per step, from eager runs of the step program (the kernels
+    its graph replays); with ``show``, the top kernels too."""
     from torch.profiler import ProfilerActivity, profile
 
     prog = rt.program(1, capture=False)
@@ -135,15 +144,31 @@ def profile_step(rt, tokens):
     prog.run_eager()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(PROFILED_STEPS):
             prog.run_eager()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.device_time_total for e in events) / 3
-    launches = sum(e.count for e in events) / 3
+    total = sum(e.device_time_total for e in events) / PROFILED_STEPS
+    launches = sum(e.count for e in events) / PROFILED_STEPS
     print(f"profile: {total / 1e3:.2f} ms GPU time per step in {launches:.0f} kernels", flush=True)
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
-        print(f"  {e.device_time_total / 3e3:7.3f} ms  {e.count / 3:6.0f}x  {e.key[:100]}", flush=True)
+    if show:
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
+            print(f"  {e.device_time_total / 3e3:7.3f} ms  {e.count / 3:6.0f}x  {e.key[:100]}", flush=True)
+    return {"kernels": launches, "kernel_ms": total / 1e3}
+
+
+def parse_variant(spec: str) -> tuple[int | None, set[str]]:
+    """``COUNT[:flat][:unstacked]`` -> (lane count, None = the runtime's default; its modifiers)."""
+    count, *mods = spec.split(":")
+    unknown = set(mods) - VARIANT_MODIFIERS
+    if unknown or not (count == "auto" or count.isdigit()):
+        raise ValueError(f"runtime {spec!r}: expected auto or a lane count, then optionally "
+                         f":{' :'.join(sorted(VARIANT_MODIFIERS))}")
+    return (None if count == "auto" else int(count)), set(mods)
+
+
+VARIANT_MODIFIERS = {"flat", "unstacked"}
+CONTROL_RECHECK = 32  # positions the control runs again once the runtimes have moved its gate/up weights
 
 
 def main():
@@ -156,10 +181,15 @@ def main():
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel-time breakdown of one step")
     ap.add_argument("--lanes", type=lambda v: v.split(","), default=["auto"],
-                    help="runtimes to measure one after another, e.g. 1,auto,auto:flat: 1 = every branch in order "
-                         "on one stream, auto = the runtime's default streams, a count = that many, :flat = "
-                         "every lane of equal priority")
+                    help="runtimes to measure one after another, e.g. 1,auto,auto:flat,auto:unstacked: 1 = every "
+                         "branch in order on one stream, auto = the runtime's default streams, a count = that many, "
+                         ":flat = every lane of equal priority, :unstacked = the MLP's gate and up as two GEMMs")
     args = ap.parse_args()
+    try:
+        for spec in args.lanes:
+            parse_variant(spec)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.positions <= args.max_window or args.max_window < 1:
         ap.error(f"--positions ({args.positions}) must exceed --max-window ({args.max_window}), which must be >= 1: "
                  "every window size is checked along the stream")
@@ -181,12 +211,19 @@ def main():
     variants = {}
     for lanes in args.lanes:
         variants[lanes] = runtime_variant(model, prompt, tokens, ref, args, lanes)
+    # the control on the model the runtimes share with it (as in `harness time`), its gate and up
+    # weights now in one buffer: the same tokens and logits as before any runtime existed
+    recheck = min(CONTROL_RECHECK, args.positions)
+    again_tokens, again_ref, _, _ = control_stream(model, prompt, recheck)
+    control_again = [again_tokens == tokens[:recheck]] + [torch.equal(again_ref[i], ref[i]) for i in range(recheck)]
+    print(f"control again, after the runtimes: bit-equal {sum(control_again)}/{len(control_again)}", flush=True)
     bpt = weight_bytes_per_token(lm)
     ctl_ms = 1e3 * statistics.median(ctl_times)
     result = {
         "model": args.model, "device": device_name(dev), "prompt_len": len(prompt), "positions": args.positions,
         "control_ms": ctl_ms, "control_GBps": bpt / (ctl_ms / 1e3) / 1e9, "control_peak_bytes": ctl_peak,
         "weight_bytes_per_token": bpt, "raw_control_s": ctl_times, "variants": variants,
+        "control_again_bit_equal": [sum(control_again), len(control_again)],
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -194,22 +231,46 @@ def main():
 
     gb = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     total_eq = total_ck = 0
-    print("\n| lanes | what | ms | x step | GB/s | peak | bit-equal |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| | control (HF serial) | {ctl_ms:.2f} | | {result['control_GBps']:.0f} | {gb(ctl_peak)} | ref |")
+    print("\n| lanes | what | gate/up GEMMs | ms | x step | GB/s | peak | bit-equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| | control (HF serial) | 2 | {ctl_ms:.2f} | | {result['control_GBps']:.0f} | {gb(ctl_peak)} | ref |")
     for lanes, v in variants.items():
         step_ms, eq = v["fast_serial_ms"], v["step_bit_equal"]
-        print(f"| {lanes} | fast-serial step | {step_ms:.2f} | 1.00 | {v['fast_serial_GBps']:.0f} | "
+        print(f"| {lanes} | fast-serial step | {gemms(1, v)} | {step_ms:.2f} | 1.00 | {v['fast_serial_GBps']:.0f} | "
               f"{gb(v['fast_peak_bytes'])} | {eq[0]}/{eq[1]} |")
         for w, win in v["windows"].items():
-            print(f"| {lanes} | verify w={w} | {win['ms']:.2f} | {win['ms'] / step_ms:.2f} | | | "
+            print(f"| {lanes} | verify w={w} | {gemms(w, v)} | {win['ms']:.2f} | {win['ms'] / step_ms:.2f} | | | "
                   f"{win['equal']}/{win['checked']} |")
-        print(f"| {lanes} | rollback (after w={min(8, args.max_window)}, keep 1) | {v['rollback_ms']:.3f} | "
+        print(f"| {lanes} | rollback (after w={min(8, args.max_window)}, keep 1) | | {v['rollback_ms']:.3f} | "
               f"{v['rollback_ms'] / step_ms:.3f} | | | |")
         total_eq += eq[0] + sum(win["equal"] for win in v["windows"].values())
         total_ck += eq[1] + sum(win["checked"] for win in v["windows"].values())
     print(f"all runtime logits bit-equal to control: {total_eq}/{total_ck}")
-    return 0 if total_eq == total_ck else 1
+    print(f"control again, after the runtimes moved its gate/up weights: {sum(control_again)}/{len(control_again)}")
+    print_step_table(variants)
+    return 0 if total_eq == total_ck and all(control_again) else 1
+
+
+def gemms(w: int, variant: dict) -> str:
+    """How a window of w rows ran each MLP's gate and up projections: 1 GEMM or 2."""
+    return "1" if w <= variant["gate_up_rows"] else "2"
+
+
+def print_step_table(variants: dict) -> None:
+    """The fast-serial step of every runtime, each beside the same runtime with two gate/up GEMMs."""
+    print("\n| lanes | gate/up GEMMs | fast-serial step ms | vs 2 GEMMs | kernels | kernel ms | bit-equal |")
+    print("|---|---|---|---|---|---|---|")
+    parsed = {spec: parse_variant(spec) for spec in variants}
+    for spec, v in variants.items():
+        count, mods = parsed[spec]
+        base = None if "unstacked" in mods else next(
+            (variants[s] for s, (c, m) in parsed.items() if c == count and m == mods | {"unstacked"}), None)
+        ratio = f"{v['fast_serial_ms'] / base['fast_serial_ms']:.3f}" if base else ""
+        kernels = "n/a" if v["step_kernels"] is None else f"{v['step_kernels']:.0f}"
+        kernel_ms = "n/a" if v["step_kernel_ms"] is None else f"{v['step_kernel_ms']:.3f}"
+        eq = v["step_bit_equal"]
+        print(f"| {spec} | {gemms(1, v)} | {v['fast_serial_ms']:.3f} | {ratio} | {kernels} | {kernel_ms} | "
+              f"{eq[0]}/{eq[1]} |")
 
 
 def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
@@ -221,16 +282,17 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
     t0 = time.perf_counter()
     peak_reset(dev)
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
-    count, _, flat = lanes.partition(":")
+    count, mods = parse_variant(lanes)
     rt = ExactRuntime(model, capacity=len(prompt) + args.positions + args.max_window + 8,
-                      windows=tuple(range(1, args.max_window + 1)), lanes=None if count == "auto" else int(count),
-                      lane_priority=flat != "flat")
+                      windows=tuple(range(1, args.max_window + 1)), lanes=count,
+                      lane_priority="flat" not in mods, stack_gate_up="unstacked" not in mods)
     setup_s = time.perf_counter() - t0
     # what the runtime holds once built: its state, its graphs' pools, per-stream library workspaces
     held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
     print(f"[lanes {lanes}: {rt.lanes.width}] runtime ready in {setup_s:.1f}s, holding "
           f"{'n/a' if held is None else f'{held / 2**30:.3f} GiB'} (state {rt.state.nbytes() / 2**30:.3f} GiB); "
-          f"prefill: {rt.prefill_how}; calibration {json.dumps(rt.cal.to_json())}", flush=True)
+          f"prefill: {rt.prefill_how}; gate/up as one GEMM up to {rt.gate_up_rows} rows; "
+          f"calibration {json.dumps(rt.cal.to_json())}", flush=True)
 
     peak_reset(dev)
     step_equal, step_times = fast_serial_pass(rt, prompt, tokens, ref)
@@ -245,13 +307,13 @@ def runtime_variant(model, prompt, tokens, ref, args, lanes: str) -> dict:
         print(f"[lanes {lanes}] window w={w}: {windows[w]['ms']:.2f} ms ({windows[w]['ms'] / step_ms:.2f}x step), "
               f"bit-equal {sum(eq)}/{len(eq)}", flush=True)
     rb = rollback_pass(rt, prompt, tokens, w=min(8, args.max_window))
-    if args.profile and dev.type == "cuda":
-        profile_step(rt, tokens)
+    kernels = profile_step(rt, tokens, args.profile) if dev.type == "cuda" else {"kernels": None, "kernel_ms": None}
     bpt = weight_bytes_per_token(lm)
     result = {"lanes": rt.lanes.width, "fast_serial_ms": step_ms, "fast_serial_GBps": bpt / (step_ms / 1e3) / 1e9,
               "windows": windows, "rollback_ms": 1e3 * statistics.median(rb), "runtime_setup_s": setup_s,
               "fast_peak_bytes": fast_peak, "state_bytes": rt.state.nbytes(), "runtime_bytes": held,
-              "calibration": rt.cal.to_json(),
+              "calibration": rt.cal.to_json(), "gate_up_rows": rt.gate_up_rows,
+              "step_kernels": kernels["kernels"], "step_kernel_ms": kernels["kernel_ms"],
               "step_bit_equal": [sum(step_equal), len(step_equal)],
               "raw": {"step_s": step_times, "rollback_s": rb}}
     # a program's segments hold bound methods of the program: only the cycle collector frees a

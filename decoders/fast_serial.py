@@ -23,8 +23,9 @@ class FastSerialDecoder:
     margin = 1  # positions a decode needs beyond its prompt and new tokens
     sampling = True
 
-    def __init__(self, capacity: int | None = None):
+    def __init__(self, capacity: int | None = None, stack_gate_up: bool = True):
         self.capacity = capacity
+        self.stack_gate_up = stack_gate_up  # False: the MLP's gate and up as two GEMMs (to measure the one)
         self.model = None
         self.runtime = None
         self.picks: TargetPicks | None = None  # the sampled path's picks, made at its first use
@@ -32,13 +33,14 @@ class FastSerialDecoder:
     def prepare(self, model, capacity: int | None = None) -> None:
         self.model = model
         cap = capacity or self.capacity or DEFAULT_CAPACITY
-        self.runtime = ExactRuntime(model, capacity=cap, windows=(1,))
+        self.runtime = ExactRuntime(model, capacity=cap, windows=(1,), stack_gate_up=self.stack_gate_up)
 
     def config(self) -> dict:
         rt = self.runtime
         sizing = {"capacity": rt.capacity, "static_bytes": rt.nbytes()} if rt else {"capacity": self.capacity}
         return {"sizing": sizing, "graphs": bool(rt and rt.use_graphs),
-                "prefill": rt.prefill_how if rt else None, "calibration": rt.cal.to_json() if rt else None}
+                "prefill": rt.prefill_how if rt else None, "stack_gate_up": self.stack_gate_up,
+                "gate_up_rows": rt.gate_up_rows if rt else None, "calibration": rt.cal.to_json() if rt else None}
 
     def reserve(self, positions: int) -> None:
         """Room for every decode of ``len(prompt) + max_new_tokens <= positions`` (the protocol's)."""
@@ -53,7 +55,8 @@ class FastSerialDecoder:
             self.runtime = None
             self.picks = None
             gc.collect()  # graphs and closures may hold the old buffers in reference cycles
-            self.runtime = ExactRuntime(self.model, capacity=capacity_for(needed), windows=(1,), cal=cal)
+            self.runtime = ExactRuntime(self.model, capacity=capacity_for(needed), windows=(1,), cal=cal,
+                                        stack_gate_up=self.stack_gate_up)
         return self.runtime
 
     @torch.inference_mode()

@@ -293,6 +293,7 @@ class SpecDecoder:
             cfg["prefill"] = self.runtime.prefill_how
             cfg["lanes"] = self.runtime.lanes.width
             cfg["eager_rows_on_lanes"] = self.runtime.eager_rows_on_lanes
+            cfg["gate_up_rows"] = self.runtime.gate_up_rows
             cfg["calibration"] = self.runtime.cal.to_json()
         if self.costs is not None:
             cfg["costs_s"] = {"step": self.costs.step, "draft": self.costs.draft,

@@ -372,3 +372,60 @@ def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial
         assert accepted > 0
     greedy_prompts, greedy_want = serial_tokens
     assert dec.decode(greedy_prompts[0], 96).tokens == greedy_want[0]
+
+
+def window_rows(rt, prompt: list[int], stream: list[int], w: int) -> list[torch.Tensor]:
+    """Every row's logits of windows of w true tokens along the stream, each accepted whole."""
+    dev = rt.device
+    rt.prefill(prompt)
+    out, c = [], 0
+    while c + w <= len(stream):
+        prog = rt.verify(torch.tensor([stream[c:c + w]], device=dev))
+        out += [prog.ws["logits"][:, i].clone() for i in range(w)]
+        rt.accept(w)
+        c += w
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_gate_up_in_one_buffer_keeps_the_control_and_one_gemm_equals_it(which):
+    """On a model never stacked before: moving each MLP's gate and up weights into one buffer adds
+    no memory and leaves the control's logits (prefills of 1, 29 and 300 tokens, then its steps)
+    bit for bit as they were; then the graphed runtime as calibrated (one GEMM for windows of up to
+    ``cal.gate_up`` rows) and the two-GEMM runtime give the control's logits at every window size
+    1..8 and every step."""
+    from decoders.runtime.gate_up import stack_gate_up
+
+    if which == "tiny":
+        model = load_model("tiny", "cuda")
+    else:
+        other = random_model()
+        model = dataclasses.replace(other, backbone=other.backbone.to("cuda"), device=torch.device("cuda"), extra={})
+    prompts = [random_prompt(model, n, seed=n) for n in (1, 29, 300)]
+    before = [control(model, p, 24)[:2] for p in prompts]
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    buffers = stack_gate_up(model.backbone)
+    torch.cuda.synchronize()
+    assert len(buffers) == len(model.backbone.model.layers) and torch.cuda.memory_allocated() == allocated
+    after = [control(model, p, 24)[:2] for p in prompts]
+    for (s0, l0), (s1, l1) in zip(before, after):
+        assert s0 == s1 and all(torch.equal(a, b) for a, b in zip(l0, l1))
+
+    windows = tuple(range(1, 9))
+    one = ExactRuntime(model, capacity=512, windows=windows)
+    two = ExactRuntime(model, capacity=512, windows=windows, cal=one.cal, stack_gate_up=False)
+    assert one.gate_up_rows == one.cal.gate_up and two.gate_up_rows == 0
+    assert all(bool(one.program(w, capture=True).gate_up) == (w <= one.cal.gate_up) for w in windows)
+    prompt, (stream, ref) = prompts[1], before[1]
+    for w in windows:
+        for rt in (one, two):
+            rows = window_rows(rt, prompt, stream, w)
+            assert len(rows) == len(stream) // w * w
+            for i, row in enumerate(rows):
+                assert torch.equal(row, ref[i + 1]), f"gate_up_rows {rt.gate_up_rows}, window {w}, position {i}"
+    for rt in (one, two):
+        rt.prefill(prompt)
+        for k, t in enumerate(stream):
+            prog = rt.step(torch.tensor([[t]], device=model.device))
+            assert torch.equal(prog.ws["logits"][:, -1], ref[k + 1]), f"gate_up_rows {rt.gate_up_rows}, step {k}"

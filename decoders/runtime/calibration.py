@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from decoders.runtime import gate_up as gate_up_layout
 from decoders.runtime import layers as L
 
 
@@ -41,6 +42,9 @@ class Calibration:
     qk_l2norm: int = 0
     conv_window: bool = False  # depthwise conv over the window == per-token update rule
     kv_view_ok: bool = False  # q_len=1 SDPA over a view of the static KV buffer == over a contiguous copy
+    # the MLP's gate and up projections as one GEMM over their stacked weight [2I, H] (gate_up.py)
+    # against each alone on one row, and act(gate) * up from its halves; tokens, 0 = never
+    gate_up: int = 0
     # Transcendental elementwise ops (exp, sigmoid, softplus, silu, rsqrt) give each element the
     # same bits whatever the tensor's size and layout. True of CUDA kernels; CPU kernels switch
     # between vectorised and scalar code by size and stride, so there it must be proven too.
@@ -145,6 +149,10 @@ def _calibrate(model, max_rows: int, seed: int) -> Calibration:
         cal.conv_window = _conv_window_equal(gdn, max_rows, rand)
     cal.elementwise = _elementwise_equal(model, max_rows, gen)
     cal.__post_init__()
+    # after the elementwise proof: the stacked path's activation runs as ``cal`` says
+    mlp = next((ly.mlp for ly in lm.model.layers if gate_up_layout.stackable(ly.mlp)), None)
+    if mlp is not None:
+        cal.gate_up = _gate_up_rows(mlp, max_rows, rand, cal)
     return cal
 
 
@@ -166,6 +174,33 @@ def _gemm_rows(lin: torch.nn.Linear, max_rows: int, rand) -> int:
     """Largest m whose m-row products equal the 1-row products row for row, in every trial."""
     xs = [rand(1, max_rows, lin.in_features) for _ in range(gemm_trials(lin.out_features))]
     return _proven_prefix_rows(lin, xs, 1, max_rows)
+
+
+def _gate_up_rows(mlp, max_rows: int, rand, cal: Calibration) -> int:
+    """Largest m such that, for every m' <= m, one GEMM over the stacked weight on m' rows equals,
+    row for row, the gate and up GEMMs each on one row (what the control computes per token), and
+    ``layers.gated_up`` from its halves equals act(gate) * up of those rows; 0 if not even for one
+    row. The weight is a fresh [2I, H] copy: the same shape, strides and alignment as the buffer."""
+    gate, up = mlp.gate_proj, mlp.up_proj
+    weight = torch.cat([gate.weight, up.weight])
+    xs = [rand(1, max_rows, gate.in_features) for _ in range(gemm_trials(weight.shape[0]))]
+    refs = []
+    for x in xs:
+        halves = [(gate(x[:, i:i + 1].contiguous()), up(x[:, i:i + 1].contiguous())) for i in range(max_rows)]
+        refs.append((torch.cat([torch.cat(h, dim=-1) for h in halves], dim=1),
+                     torch.cat([mlp.act_fn(g) * u for g, u in halves], dim=1)))
+
+    def same(m: int) -> bool:
+        for x, (product, gated) in zip(xs, refs):
+            xm = x[:, :m].contiguous()
+            if not torch.equal(L.gate_up_product(xm, weight), product[:, :m]):
+                return False
+            out = L.gated_up(mlp, xm, weight, cal)
+            if not (out.is_contiguous() and torch.equal(out, gated[:, :m])):  # down_proj reads it as the serial step's
+                return False
+        return True
+
+    return _proven_rows(max_rows, same) if same(1) else 0
 
 
 REDUCTION_TRIALS = 16

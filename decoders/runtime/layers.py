@@ -364,8 +364,24 @@ def attention_post(mod, attn_out, gate, cal):
     return linear(mod.o_proj, gated.view(1, w, -1), cal)
 
 
-def mlp(mod, x, cal, lanes: Lanes = SERIAL):
-    """down(act(gate(x)) * up(x)); the gate and up projections on two lanes."""
+def mlp(mod, x, cal, lanes: Lanes = SERIAL, gate_up: torch.Tensor | None = None):
+    """down(act(gate(x)) * up(x)). Args: x [1,w,H]; ``gate_up``: the [2I, H] buffer the gate and up
+    weights are views of (gate_up.py), given only for a window of at most ``cal.gate_up`` rows.
+    With it, gate and up are one GEMM; without, two, on two lanes."""
+    if gate_up is not None:
+        return linear(mod.down_proj, gated_up(mod, x, gate_up, cal), cal)
     act, up = lanes.fork(lambda: ew(mod.act_fn, linear(mod.gate_proj, x, cal), 1, cal),
                          lambda: linear(mod.up_proj, x, cal))
     return linear(mod.down_proj, act * up, cal)
+
+
+def gated_up(mod, x, gate_up: torch.Tensor, cal) -> torch.Tensor:
+    """act(gate(x)) * up(x) [1,w,I] from one GEMM over the stacked weight, split into its halves
+    (views of the [1,w,2I] product; the activation and the product are elementwise)."""
+    gate, up = torch.chunk(gate_up_product(x, gate_up), 2, dim=-1)
+    return ew(mod.act_fn, gate, 1, cal) * up
+
+
+def gate_up_product(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate(x), up(x)] as one GEMM: x [1,w,H] times the stacked weight [2I, H], [1,w,2I]."""
+    return F.linear(x, gate_up)

@@ -20,8 +20,11 @@ from decoders.runtime.lanes import Lanes
 
 
 class WindowProgram:
-    def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool, lanes: Lanes):
+    def __init__(self, model, state, rope, cal, consts: L.Constants, w: int, capture_states: bool, lanes: Lanes,
+                 gate_up: dict | None = None):
         self.model, self.state, self.rope, self.cal, self.consts, self.w = model, state, rope, cal, consts, w
+        # layer index -> its stacked gate/up weight, for layers whose MLP runs them as one GEMM
+        self.gate_up = gate_up or {}
         self.lanes = lanes  # the streams independent branches run on (lanes.py)
         self.eager_lanes = lanes  # those a window's eager attention rows run on (ExactRuntime.spread_eager_rows)
         self.capture_states = capture_states
@@ -74,7 +77,7 @@ class WindowProgram:
         cap = self.state.rec_capture[idx] if self.capture_states else None
         h = L.gdn_window(layer.linear_attn, h, self.state.conv[idx], self.state.rec[idx], self.cal, self.consts,
                          self.conv_cat[self.state.slot[idx]], cap, deferred=True, lanes=self.lanes)
-        self._mlp(layer, x + h)
+        self._mlp(idx, x + h)
 
     def _attn_pre(self, idx):
         layer = self.model.backbone.model.layers[idx]
@@ -93,11 +96,12 @@ class WindowProgram:
     def _attn_post(self, idx):
         layer = self.model.backbone.model.layers[idx]
         h = L.attention_post(layer.self_attn, self.attn_out[idx], self.ws[("gate", idx)], self.cal)
-        self._mlp(layer, self.ws["x"] + h)
+        self._mlp(idx, self.ws["x"] + h)
 
-    def _mlp(self, layer, x):
+    def _mlp(self, idx, x):
+        layer = self.model.backbone.model.layers[idx]
         h = L.rms_norm(layer.post_attention_layernorm, x, self.cal, self.consts, lanes=self.lanes)
-        self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal, self.lanes)
+        self.ws["x"] = x + L.mlp(layer.mlp, h, self.cal, self.lanes, gate_up=self.gate_up.get(idx))
 
     def _commit_states(self):
         """The final Gated-DeltaNet states of every layer, each written in one copy rather than one

@@ -8,6 +8,8 @@ the logit the pristine ``serial`` control computes for that position after the s
   * a step or a window runs ``layers.py``'s ops, which mirror HF's serial step and batch over rows
     only where ``calibration.py`` proved it bit-equal on this device;
   * RoPE rows are the control's own rotary computation, one position at a time, done once up front;
+  * each MLP's gate and up weights live in one buffer (``gate_up.py``: same values, new storage,
+    before any capture); a window of at most ``cal.gate_up`` rows runs them as one GEMM;
   * rollback restores the Gated-DeltaNet state captured at the accepted row; KV entries past the
     accepted length are simply overwritten later. No forward is ever re-run to repair state.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from decoders.runtime.calibration import Calibration, calibrate
+from decoders.runtime.gate_up import stack_gate_up as stack_gate_up_weights
 from decoders.runtime.graphs import capture_segments
 from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
@@ -27,14 +30,19 @@ from decoders.runtime.state import StaticState
 class ExactRuntime:
     def __init__(self, model, capacity: int, windows=(1,), cal: Calibration | None = None,
                  use_graphs: bool | None = None, lanes: int | None = None, lane_priority: bool = True,
-                 keep_rows: bool = False):
+                 keep_rows: bool = False, stack_gate_up: bool = True):
         note_build()
         self.model = model
         lm = model.backbone
         self.device = model.device
         self.capacity = capacity
         self.max_window = max(windows)
+        # the model's layout, made (or found) whatever this runtime decides: before any capture
+        self.gate_up_weights = stack_gate_up_weights(lm)  # layer index -> [2I, H]
         self.cal = cal or calibrate(model, max_rows=max(8, self.max_window))
+        # windows of up to this many rows run each MLP's gate and up as one GEMM (0: none);
+        # ``stack_gate_up=False`` runs two everywhere (to measure what the one GEMM saves)
+        self.gate_up_rows = self.cal.gate_up if stack_gate_up and self.gate_up_weights else 0
         self.constants = Constants()  # weight-only tensors of this model's forward, made once
         self.state = StaticState(lm, capacity, self.max_window, self.device, keep_rows=keep_rows)
         self.rope = self._rope_table(capacity)
@@ -88,7 +96,8 @@ class ExactRuntime:
         key = (w, capture)
         if key not in self.programs:
             prog = WindowProgram(self.model, self.state, self.rope, self.cal, self.constants, w,
-                                 capture_states=capture, lanes=self.lanes)
+                                 capture_states=capture, lanes=self.lanes,
+                                 gate_up=self.gate_up_weights if w <= self.gate_up_rows else {})
             prog.eager_lanes = self.lanes if self.eager_rows_on_lanes else SERIAL
             if self.use_graphs:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
