@@ -58,7 +58,7 @@ from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_size
 from decoders.policy import Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
-from decoders.sampled import TargetPicks
+from decoders.sampled import TargetPicks, settings
 from decoders.trace import Trace, TraceRow
 from decoders.trace import load as load_trace
 
@@ -170,6 +170,7 @@ class SpecDecoder:
         if not isinstance(coupled, bool) or not isinstance(lazy_rows, bool):
             raise ValueError("coupled and lazy_rows must be true or false")
         self.coupled, self.lazy_rows = coupled, lazy_rows
+        self._sampled_costs: dict[tuple, tuple[float, float]] = {}  # sampler settings -> (pick, coupled draft) seconds
         self.model = self.runtime = self.drafter = self.costs = None
         self.picks: TargetPicks | None = None  # the sampled path's picks, made with the runtime
         self.cost_reps: dict | None = None  # every timed rep of measure_costs, in seconds
@@ -305,13 +306,61 @@ class SpecDecoder:
                                   "head_prefill": list(self.cost_reps["head_prefill"])}
         return cfg
 
-    def new_policy(self, prompt_len: int = 1) -> DepthPolicy:
+    def new_policy(self, prompt_len: int = 1, sampler: Sampler | None = None) -> DepthPolicy:
         """A decode's policy; its first draft also makes the head's rows for ``prompt_len`` tokens
-        (``head_prefill`` was measured for one block of PREFILL_ROWS rows)."""
+        (``head_prefill`` was measured for one block of PREFILL_ROWS rows). Under a bound sampler
+        its start-up costs are ``sampled_costs``."""
         blocks = max(1, -(-(prompt_len - 1) // PREFILL_ROWS))
-        return DepthPolicy(self.costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
-                           online=self.online_costs, first_draft=blocks * self.costs.head_prefill,
+        costs = self.costs if sampler is None or sampler.greedy else self.sampled_costs(sampler)
+        return DepthPolicy(costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
+                           online=self.online_costs, first_draft=blocks * costs.head_prefill,
                            catch_up_calls=lambda rows: len(self.drafter.catch_up_chunks(rows)))
+
+    def sampled_costs(self, sampler: Sampler) -> Costs:
+        """The start-up costs under ``sampler`` (bound to the picks and the drafter): a plain step
+        plus one pick and its read, a window of w rows plus w of them (as if no draft were
+        rejected: the prior errs towards plain steps, and the decode's own round times correct
+        it), a draft step coupled. The pick and the coupled draft are timed once per sampler
+        setting, at the first decode with it (the harness's untimed warm-up)."""
+        key = settings(sampler)
+        if key not in self._sampled_costs:
+            self._sampled_costs[key] = self._time_sampling() if self.fixed is None else (0.0, 0.0)
+        pick, draft = self._sampled_costs[key]
+        c = self.costs
+        return Costs(step=c.step + pick, draft=c.draft + draft, verify={w: v + w * pick for w, v in c.verify.items()},
+                     head_prefill=c.head_prefill)
+
+    def _time_sampling(self, reps: int = 5) -> tuple[float, float]:
+        """Seconds of one pick and its read, and what a coupled draft step adds to a plain one
+        (fastest of ``reps``). Reads the step program's last logits, writes only the drafter's
+        rows past those in use: the decode that follows makes its own."""
+        rt, dr, dev = self.runtime, self.drafter, self.model.device
+        prog = rt.program(1, capture=False)
+        if rt.use_graphs:
+            def pick():
+                return int(self.picks.row(prog, 0))
+        else:  # eager: the pick's own ops, on a row of the right size
+            row = torch.zeros(self.model.vocab_size, device=dev)
+
+            def pick():
+                return int(self.picks.sampler.pick_tensor(row, 0))
+
+        def fastest(fn) -> float:
+            best = float("inf")
+            for _ in range(reps):
+                sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                sync(dev)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        seconds = fastest(pick)
+        self.picks.picked = 0
+        draft = 0.0
+        if dr.coupled and dr.filled + 1 <= dr.capacity:
+            draft = max(0.0, fastest(lambda: dr.chained_step(dr.filled)) - self.costs.draft)
+        return seconds, draft
 
     # ------------------------------------------------------------------ decoding
 
@@ -326,7 +375,10 @@ class SpecDecoder:
         self.ensure_capacity(len(prompt_ids) + max_new_tokens + self.margin)
         sampler = sampler or GREEDY
         eos = set(self.model.eos_token_ids)
-        policy = self.new_policy(len(prompt_ids))
+        self.drafter.couple(sampler if self.coupled else None)
+        if not sampler.greedy:
+            self.picks.bind(sampler, self.runtime.programs.values())
+        policy = self.new_policy(len(prompt_ids), sampler)
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
         # greedy runs the greedy functions; a sampler, their sampled twins (same rounds, own picks)
@@ -334,7 +386,6 @@ class SpecDecoder:
             prefill, plain_steps, spec_round = self._prefill, self._plain_steps, self._spec_round
         else:
             prefill, plain_steps, spec_round = self._prefill_sampled, self._plain_steps_sampled, self._spec_round_sampled
-        self.drafter.couple(sampler if self.coupled else None)
         with timer.phase("other"):
             pending = prefill(prompt_ids, sampler)
             tokens = [int(pending.y.item())]
@@ -394,10 +445,10 @@ class SpecDecoder:
         return pending
 
     def _prefill_sampled(self, prompt_ids: list[int], sampler: Sampler) -> Pending:
-        """The prefill; its token is the sampler's pick at len(prompt_ids), written where the
-        greedy prefill leaves its argmax (the head's pending row, and ``Pending.y``)."""
+        """The prefill; its token is the sampler's pick (the picks bound to ``sampler``) at
+        len(prompt_ids), written where the greedy prefill leaves its argmax (the head's pending
+        row, and ``Pending.y``)."""
         logits, hidden = self.runtime.prefill(prompt_ids)
-        self.picks.bind(sampler, self.runtime.programs.values())
         p = len(prompt_ids)
         self.runtime.state.row_next[:, p - 1:p].copy_(self.picks.first(logits, p))
         pending = Pending(self.runtime)
