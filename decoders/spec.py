@@ -196,7 +196,7 @@ class SpecDecoder:
         cal = old.cal if old is not None else None
         spread = old.eager_rows_on_lanes if old is not None else None
         # the old buffers and graphs go before the new ones are allocated: growing never holds both
-        self.runtime = self.drafter = old = None
+        self.runtime = self.drafter = self.picks = old = None
         gc.collect()  # graphs and closures may hold the old buffers in reference cycles
         self.runtime = ExactRuntime(self.model, capacity=capacity, windows=tuple(range(1, self.max_depth + 2)),
                                     cal=cal, keep_rows=True)
