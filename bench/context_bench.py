@@ -52,7 +52,8 @@ def parse_args(argv=None):
     args.contexts = ([int(c) for c in args.contexts.split(",") if c] if args.contexts
                      else list(CONTEXTS.get(args.model, CONTEXTS["tiny"])))
     args.max_new_tokens = args.max_new_tokens or NEW_TOKENS.get(args.model, 16)
-    args.control_n = CONTROL_TOKENS.get(args.model, 16) if args.control_n is None else args.control_n
+    args.control_n = min(args.max_new_tokens, CONTROL_TOKENS.get(args.model, 16) if args.control_n is None
+                         else args.control_n)  # compared with fast-serial's first tokens
     args.alphas = [float(a) for a in args.alphas.split(",") if a]
     if args.shortlist is None and args.model == "synthetic-9b":
         args.shortlist = SHORTLIST_9B
