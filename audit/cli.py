@@ -179,8 +179,9 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=4, show_default=True, metavar="K",
-              help="Fresh prompts to time (at most the stream's own count).")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=9, show_default=True, metavar="K",
+              help="Fresh prompts to time, each as long as one of the stream's (in turn); at least 6, the fewest "
+                   "whose median has a 95% interval (9 and more give one inside the extremes).")
 @click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
               help="Fresh prompts of your own (jsonl of {id, text | token_ids}, a regular file), used in file "
                    "order, each cut to the length of the stream prompt it stands in for. Default: drawn from a "
@@ -198,7 +199,7 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--trust-plugin", is_flag=True,
               help="Run a plug-in decoder (package.module:attr) that the stream names: its code runs in a worker.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
-              help="Draw the fresh prompts (and the interval's resamples) from seed S (a retime.json's seed "
+              help="Draw the fresh prompts from seed S (a retime.json's seed "
                    "repeats its draw). Default: a secret seed drawn for this retime, shown once every leg ran.")
 @click.option("--no-sandbox", "no_sandbox", is_flag=True,
               help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
@@ -220,7 +221,9 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     on K fresh prompts of the stream's lengths that no decoder can enumerate (a secret seed; never
     the stream's own prompts), with a second look at K more when the first falls short, and
     replays every retimed token through its pristine serial path. The verified figures are the
-    retime's own: per-prompt ratios, their median, a bootstrap interval and the score. The
+    retime's own: per-prompt ratios (the control's first leg over the candidate's first), their
+    median, a distribution-free 95% interval, and the score (0 unless the interval's bottom is
+    above 1). The
     stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
     above the interval's top by more than the margin. A stream that fails audit replay's file
     checks is not retimed; a header the decoders contradict fails (header-disagrees).

@@ -66,12 +66,13 @@ class StreamFormatError(ValueError):
     """The file is not a well-formed stream (malformed line, wrong schema, bad field)."""
 
 
-def abba_roles(legs: int) -> list[str]:
-    """Role of each timed decode of one prompt, in order: control/candidate pairs alternating
-    which goes first (A B B A A B ...), so drift and warm-up effects fall on both sides."""
+def abba_roles(legs: int, opens: str = "control") -> list[str]:
+    """Role of each timed decode of one prompt, in order: pairs alternating which side goes first
+    (A B B A A B ..., A the side that ``opens``), so drift and warm-up effects fall on both sides."""
+    pair = ["control", "candidate"] if opens == "control" else ["candidate", "control"]
     order = []
-    for pair in range(legs):
-        order += ["control", "candidate"] if pair % 2 == 0 else ["candidate", "control"]
+    for n in range(legs):
+        order += pair if n % 2 == 0 else pair[::-1]
     return order
 
 

@@ -145,7 +145,7 @@ def claimed_ratio(python, copy, stream: Path) -> tuple[int, dict]:
 
 def retime(python, copy, stream: Path) -> tuple[int, dict, str]:
     out = stream.parent / "retime.json"
-    done = run(python, copy, "-m", "audit", "retime", str(stream), "--trust-plugin", "--prompts", "3",
+    done = run(python, copy, "-m", "audit", "retime", str(stream), "--trust-plugin", "--prompts", "6",
                "--out", str(out), "--no-sandbox")
     return done.returncode, (json.loads(out.read_text()) if out.exists() else None), done.stdout + done.stderr
 

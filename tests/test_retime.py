@@ -19,6 +19,8 @@ from audit_helpers import claim_refused, copy_stream, findings, forge_stream, ru
 
 TESTS = Path(__file__).resolve().parent
 N, PROMPTS, LEGS = 24, 3, 2
+# fresh prompts a retime times: the fewest whose median has a 95% interval (audit.retime.judge)
+FRESH = 6
 # spec's first leg of a prompt may hold a probe or two (the head's prompt rows and a catch-up, tens
 # of ms on tiny's CPU), as its adaptive policy decides from times it measures: over 24 tokens that
 # alone moves an honest ratio by up to a third between runs (bench/NOTES.md, the retime test on the
@@ -53,7 +55,7 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     prompts = PROMPTS if decoder == "fast-serial" else SPEC_PROMPTS
     stream = fast_serial_stream if decoder == "fast-serial" else \
         run_harness(tmp_path / decoder, decoder, limit=prompts, n=SPEC_N, legs=LEGS)
-    result, doc = run_retime(stream, "--prompts", str(prompts))
+    result, doc = run_retime(stream, "--prompts", str(FRESH))
     assert result.exit_code == 0, result.output
     assert doc["verdict"] == "pass" and not findings(doc, "claim-not-reproduced")
     v = doc["verified"]
@@ -61,11 +63,11 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     # scored by the median, and only where the interval tells the speed-up from none
     assert v["significant"] == (v["ci_low"] > 1)
     assert v["score"] == pytest.approx(0.95 * (1 - math.exp(-(v["ratio"] - 1) / 2)) if v["significant"] else 0.0)
-    assert "prompts' ratios, with replacement" in v["resampled"]
+    assert "order statistics 1 and 6 of the 6 prompts' ratios" in v["interval"] and v["confidence"] >= 0.95
     assert doc["claimed"]["ratio"] > 0 and not findings(doc, "header-disagrees")
     assert doc["candidate"]["name"] == decoder and doc["kind"] == "retime"
     looks = 2 if doc["second_look"] else 1
-    assert len(doc["prompts"]) == looks * prompts and all(e["exact"] for e in doc["prompts"])
+    assert len(doc["prompts"]) == looks * FRESH and all(e["exact"] for e in doc["prompts"])
     assert all(set(e["waited"]) == set(e["others_load"]) == {"control", "candidate"} for e in doc["prompts"])
     # the control's code checked unchanged; the candidate sandboxed where this machine allows
     assert doc["control_code"]["checked"] > 0 and doc["control_code"]["modified"] == []
@@ -108,19 +110,16 @@ def test_the_draw_comes_from_a_secret_seed_shown_at_the_end(fast_serial_stream, 
         copy = tmp_path / f"run{len(docs)}" / "stream.jsonl"
         copy.parent.mkdir()
         copy.write_bytes(fast_serial_stream.read_bytes())
-        result, doc = run_retime(copy, "--prompts", "1", *(["--seed", str(docs[0]["seed"])] if args is None else args))
+        result, doc = run_retime(copy, "--prompts", str(FRESH),
+                                 *(["--seed", str(docs[0]["seed"])] if args is None else args))
         assert result.exit_code in (0, 1), result.output  # the verdict is not what this test is about
         docs.append(doc)
         outputs.append(result.stdout)
     seeds = [d["seed"] for d in docs]
     assert seeds[0] != seeds[1] and seeds[2] == seeds[0]
-    # the interval's resamples are the seed's too: a rerun with --seed S repeats them on the same ratios
-    from audit.retime.judge import interval
-    ratios = [e["ratio"] for e in docs[0]["prompts"]] * 3
-    assert interval(ratios + [1.0, 2.0], seeds[0]) == interval(ratios + [1.0, 2.0], seeds[0])
 
     def drawn(seed):  # every prompt a retime with this seed may time: both looks and their spares
-        return {tuple(t) for t, spare, _ in ids(fresh_prompts(run, model, 1, seed)) for t in (t, spare)}
+        return {tuple(t) for t, spare, _ in ids(fresh_prompts(run, model, FRESH, seed)) for t in (t, spare)}
     timed = [{tuple(e["token_ids"]) for e in d["prompts"]} for d in docs]
     assert timed[0] <= drawn(seeds[0]) and timed[2] <= drawn(seeds[0]) and not timed[1] & drawn(seeds[0])
     assert f"--seed {seeds[0]} draws them again" in outputs[0]
@@ -133,9 +132,9 @@ def test_shortened_candidate_legs_pass_replay_but_not_retime(fast_serial_stream,
     timing = [f for f in doc["findings"] if f["severity"] == "fail"]
     assert timing == [] and doc["verdict"] == "pass" and doc["score"] > 0, result.output
 
-    result, doc = run_retime(forged)
+    result, doc = run_retime(forged, "--prompts", str(FRESH))
     assert result.exit_code == 1, result.output
-    assert doc["second_look"] is not None and len(doc["prompts"]) == 2 * PROMPTS
+    assert doc["second_look"] is not None and len(doc["prompts"]) == 2 * FRESH
     assert claim_refused(doc) and doc["verified"]["score"] == 0, result.output
     for f in findings(doc, "claim-not-reproduced"):
         assert f["claimed"] > f["ci_high"] * (1 + f["margin"])
@@ -152,7 +151,7 @@ def test_precomputed_builtin_prompts_pass_replay_but_not_retime(tmp_path):
     assert result.exit_code == 2 and "--trust-plugin" in result.stderr
     assert not (stream.parent / "retime.json").exists()
 
-    result, doc = run_retime(stream, "--trust-plugin")
+    result, doc = run_retime(stream, "--trust-plugin", "--prompts", str(FRESH))
     assert result.exit_code == 1, result.output
     assert claim_refused(doc) and all(e["exact"] for e in doc["prompts"])
     assert doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"] and doc["verified"]["score"] == 0
@@ -163,12 +162,12 @@ def test_spoiling_its_own_later_legs_wins_a_precomputing_decoder_nothing(tmp_pat
     first look falls short, so a second look (spoiled and measured again alike) follows: the claim
     still fails, and the document shows the measurements it replaced."""
     stream = run_harness(tmp_path / "uneven", "retime_decoders:PrecomputedUneven", limit=PROMPTS, n=N, legs=LEGS)
-    result, doc = run_retime(stream, "--trust-plugin")
+    result, doc = run_retime(stream, "--trust-plugin", "--prompts", str(FRESH))
     assert result.exit_code == 1, result.output
     assert claim_refused(doc) and all(e["exact"] for e in doc["prompts"])
-    assert doc["second_look"]["first_prompts"] == doc["second_look"]["prompts"] == PROMPTS
-    assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(2 * PROMPTS)]
-    assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(2 * PROMPTS)]
+    assert doc["second_look"]["first_prompts"] == doc["second_look"]["prompts"] == FRESH
+    assert [e["id"] for e in doc["remeasured"]] == [f"fresh-{i}" for i in range(2 * FRESH)]
+    assert [e["id"] for e in doc["prompts"]] == [f"fresh-{i}-again" for i in range(2 * FRESH)]
     assert doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"]
     assert "measured again: fresh-0" in result.stdout
 
@@ -193,7 +192,7 @@ def test_processes_a_worker_starts_never_run_while_the_control_is_timed(tmp_path
     stream = run_harness(tmp_path / "load", "retime_decoders:LoadsTheControl", limit=2, n=N, legs=LEGS,
                          extra=("--decoder-arg", f"log={log}", "--decoder-arg", f"orphan={orphan}"))
     # outside the sandbox: inside, its spinners could not write their pids, and would die with it
-    result, doc = run_retime(stream, "--trust-plugin", "--prompts", "2", "--no-sandbox")
+    result, doc = run_retime(stream, "--trust-plugin", "--prompts", str(FRESH), "--no-sandbox")
     assert result.exit_code in (0, 1), result.output  # its speed is serial's: the verdict is noise's
     pids = written_pids(str(log))
     assert len(pids) == (os.cpu_count() or 1)
@@ -216,7 +215,7 @@ def retime_leaving_outsiders(tmp_path, plugin: str):
     try:
         stream = run_harness(tmp_path / "outside", f"retime_decoders:{plugin}", limit=2, n=N, legs=LEGS,
                              extra=("--decoder-arg", f"pids={pids}"))
-        return run_retime(stream, "--trust-plugin", "--prompts", "2")
+        return run_retime(stream, "--trust-plugin", "--prompts", str(FRESH))
     finally:
         for pid in [int(x) for x in pids.read_text().split()] if pids.exists() else []:
             try:
@@ -278,7 +277,7 @@ def test_the_audit_stopped_during_its_legs_fails_the_retime(fast_serial_stream, 
     out = tmp_path / "retime.json"
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
     audit = subprocess.Popen([sys.executable, "-m", "audit", "retime", str(fast_serial_stream), "--device", "cpu",
-                              "--prompts", "1", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                              "--prompts", str(FRESH), "--out", str(out)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
         while audit.poll() is None:  # pauses of 5 ms, every 50 ms, all through the retime
@@ -310,13 +309,13 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
     monkeypatch.setattr(audit.retime.command, "watches_gpu", lambda device: True)
     listing = [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", f"{os.getpid()}, audit"]
     monkeypatch.setattr(audit.processes, "GPU_QUERY", listing)
-    _, doc = run_retime(fast_serial_stream, "--prompts", "1")
+    _, doc = run_retime(fast_serial_stream, "--prompts", str(FRESH))
     assert doc["gpu_processes"]["samples"] >= 1 and doc["gpu_processes"]["unmeasured"] is None
     assert doc["gpu_processes"]["foreign"] == [] and not findings(doc, "gpu-shared")
     assert not findings(doc, "worker-processes")  # the audit's poller is no worker's orphan
 
     monkeypatch.setattr(audit.processes, "GPU_QUERY", [*listing, "1, miner"])
-    result, doc = run_retime(fast_serial_stream, "--prompts", "1")
+    result, doc = run_retime(fast_serial_stream, "--prompts", str(FRESH))
     (f,) = findings(doc, "gpu-shared")
     assert f["severity"] == "fail" and f["pids"] == [1] and result.exit_code == 1
     assert doc["gpu_processes"]["foreign"] == [{"pid": 1, "name": "miner"}]
@@ -326,7 +325,7 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
 def test_retimed_legs_are_replayed_on_workers(fast_serial_stream, tmp_path):
     """--workers: the retimed legs replayed by worker processes on the one device (audit.pool)."""
     stream = copy_stream(fast_serial_stream, tmp_path / "run")
-    result, doc = run_retime(stream, "--prompts", "2", "--workers", "2")
+    result, doc = run_retime(stream, "--prompts", str(FRESH), "--workers", "2")
     assert result.exit_code in (0, 1) and doc is not None, result.output
     assert not findings(doc, "retime-error") and not findings(doc, "exactness")
     assert doc["prompts"] and all(e["exact"] for e in doc["prompts"])
@@ -365,7 +364,7 @@ def test_an_instrument_is_retimed_with_its_untimed_preparation(tmp_path):
     """An instrument makes no scored claim, but its ratio is reproducible: the candidate's worker
     gets the same untimed per-prompt preparation ``harness time`` gives it, and only it."""
     stream = run_harness(tmp_path / "inst", "spec-instrument", limit=2, n=N, legs=LEGS)
-    result, doc = run_retime(stream, "--prompts", "2")
+    result, doc = run_retime(stream, "--prompts", str(FRESH))
     assert result.exit_code == 0, result.output
     assert doc["candidate"]["instrument"] is True and "instrument: never scored" in result.stdout
     assert all(e["exact"] for e in doc["prompts"]) and not findings(doc, "claim-not-reproduced")
@@ -472,7 +471,7 @@ def scripted_outcome(ran, timed, findings, remeasured, second_look=None):
               [], None, {})
     return Outcome(run=run, sha256="0" * 64, seed=0, source={"kind": "scripted", "how": "scripted"},
                    verdict="fail" if findings else "pass", findings=findings,
-                   verified=verified_figures(timed, 0, bool(findings), 0.95, 2.0),
+                   verified=verified_figures(timed, bool(findings), 0.95, 2.0),
                    claimed={"ratio": 2.0, "per_prompt": {"p0": 2.0, "p1": 2.0}}, max_new_tokens=2, legs=2,
                    seconds=0.1, instrument=False, fresh=ran, timed=timed, exact={p.id: True for p in timed},
                    remeasured=remeasured, second_look=second_look)
@@ -501,7 +500,10 @@ def test_a_prompt_with_unstable_legs_is_measured_again_on_its_spare():
     assert workers["candidate"].timed == [fresh[0].token_ids] * 2 + [fresh[0].spare.token_ids] * 2 + [fresh[1].token_ids] * 2
     assert len(remeasured) == 1 and remeasured[0]["id"] == "fresh-0" and remeasured[0]["replaced_by"] == "fresh-0-again"
     assert remeasured[0]["leg_spread"]["candidate"] == pytest.approx(3.0)
-    assert [r["wall_s"] for r in ran[1][1].legs] == pytest.approx([0.08, 0.04, 0.04, 0.08])  # the clock's, exactly
+    # the clock's, exactly; the second prompt's legs opened by the candidate (B A A B)
+    assert [r["wall_s"] for r in ran[1][1].legs] == pytest.approx([0.04, 0.08, 0.08, 0.04])
+    assert [r["role"] for r in ran[0][1].legs] == ["control", "candidate", "candidate", "control"]
+    assert [r["role"] for r in ran[1][1].legs] == ["candidate", "control", "control", "candidate"]
     # the document lists the replaced measurement apart from the prompts whose ratios count
     doc = build_document(scripted_outcome([fp for fp, _ in ran], [p for _, p in ran], [], remeasured))
     assert [e["id"] for e in doc["prompts"]] == ["fresh-0-again", "fresh-1"]
@@ -526,42 +528,50 @@ def test_a_spare_is_timed_at_most_once():
 
 @pytest.mark.parametrize("first, second, looks_again, passes", [
     (0.02, None, False, True),  # the first look holds the claim: judged on it alone
-    (0.06, 0.02, True, True),  # noise sank the first look: the second lifts the interval of all four
+    (0.06, 0.02, True, True),  # noise sank the first look: the second lifts the interval of all twelve
     (0.06, 0.06, True, False),  # a decoder slower than its claim is as slow on the second look
 ])
 def test_a_first_look_that_falls_short_gets_a_second(first, second, looks_again, passes):
     """Claimed ratio 2.0; the control takes 60 ms a leg; the candidate ``first`` seconds a leg on
-    the first look's two prompts and ``second`` on the second look's (ratios 1 and 3)."""
+    the first look's six prompts and ``second`` on the second look's (ratios 1 and 3)."""
     from audit.retime.document import build_document, render_table
     from audit.retime.fresh import FreshPrompt
-    from audit.retime.judge import claim_findings, falls_short, prompt_ratios, interval
+    from audit.retime.judge import claim_findings, falls_short, interval, prompt_ratios
     from audit.retime.measure import Measured, time_looks
 
-    looks = tuple([FreshPrompt(f"fresh-{2 * look + i}", [10 * (2 * look + i) + 5 + j for j in range(6)],
-                               [1, 2, 3, 4], f"p{i}") for i in range(2)] for look in range(2))
-    candidate = [first] * 4 + ([second] * 4 if second else [])
-    m, workers = scripted([0.06] * 8, candidate)
+    looks = tuple([FreshPrompt(f"fresh-{FRESH * look + i}", [10 * (FRESH * look + i) + 5 + j for j in range(6)],
+                               [1, 2, 3, 4], f"p{i}") for i in range(FRESH)] for look in range(2))
+    candidate = [first] * 2 * FRESH + ([second] * 2 * FRESH if second else [])
+    m, workers = scripted([0.06] * 4 * FRESH, candidate)
     out = Measured()
-    time_looks(m, looks, out, falls_short(2.0, seed=0))
+    time_looks(m, looks, out, falls_short(2.0))
     timed = [fp.id for fp, _ in out.ran]
-    assert timed == ["fresh-0", "fresh-1"] + (["fresh-2", "fresh-3"] if looks_again else [])
+    assert timed == [f"fresh-{i}" for i in range(2 * FRESH if looks_again else FRESH)]
     assert len(workers["candidate"].timed) == 2 * len(timed)  # the second look only when taken
     if looks_again:
-        assert out.second_look["first_prompts"] == 2 and out.second_look["prompts"] == 2
+        assert out.second_look["first_prompts"] == FRESH and out.second_look["prompts"] == FRESH
         assert out.second_look["first_median_ratio"] == pytest.approx(1.0)
     else:
         assert out.second_look is None
-    low, high, _ = interval(prompt_ratios(out.timed), 0)
+    low, high, _, _ = interval(prompt_ratios(out.timed))
     found = claim_findings(2.0, low, high)
     assert (found == []) == passes
     doc = build_document(scripted_outcome([fp for fp, _ in out.ran], out.timed, found, out.remeasured,
                                           out.second_look))
     assert doc["second_look"] == out.second_look and len(doc["prompts"]) == len(timed)
-    # a score only for a claim that holds and a speed-up the interval tells from none (ratios 1 and 3:
-    # the interval reaches 1, so the second case passes the claim with a verified score of 0)
+    # a score only for a claim that holds and a speed-up the interval tells from none (six ratios of
+    # 1 and six of 3: the interval reaches 1, so the second case passes the claim with a score of 0)
     assert (doc["verified"]["score"] > 0) == (passes and doc["verified"]["significant"])
     assert doc["verified"]["significant"] == (doc["verified"]["ci_low"] > 1)
-    assert ("second look: the first 2 fresh prompts' median" in render_table(doc)) == looks_again
+    assert ("second look: the first 6 fresh prompts' median" in render_table(doc)) == looks_again
+
+
+def test_fewer_fresh_prompts_than_an_interval_needs_is_bad_input(fast_serial_stream, tmp_path):
+    stream = copy_stream(fast_serial_stream, tmp_path / "few")
+    result, doc = run_retime(stream, "--prompts", str(FRESH - 1))
+    assert result.exit_code == 2 and doc is None
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --prompts {FRESH - 1}: a 95% interval for the median ratio needs at least {FRESH} fresh prompts")
 
 
 def test_worker_that_cannot_start_is_bad_input(fast_serial_stream, tmp_path):

@@ -21,6 +21,7 @@ from audit_helpers import claim_refused, copy_stream, edit, findings, legs_of, r
 
 TESTS = Path(__file__).resolve().parent
 N, PROMPTS, LEGS = 24, 3, 2
+FRESH = 6  # fresh prompts per retime: the fewest whose median has a 95% interval
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,7 @@ def run_retime(stream: Path, *args: str):
     from audit.cli import main as audit_main
 
     out = stream.parent / "retime.json"
-    result = CliRunner().invoke(audit_main, ["retime", str(stream), "--device", "cpu", *args])
+    result = CliRunner().invoke(audit_main, ["retime", str(stream), "--device", "cpu", "--prompts", str(FRESH), *args])
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result, json.loads(out.read_text()) if out.exists() else None
@@ -71,7 +72,7 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
     prompts = write_prompts(tmp_path / "prompts.jsonl", entries)
     stream = run_harness(tmp_path / "space", "retime_decoders:PrecomputedSpace", limit=PROMPTS, n=N, legs=LEGS,
                          extra=("--prompts", str(prompts), "--decoder-arg", f"prompts={prompts}",
-                                "--decoder-arg", "answer_s=0.03"))  # steady answers: no warm-leg flag
+                                "--decoder-arg", "answer_s=0.01"))  # steady answers: no warm-leg flag
     result, doc = run_audit(stream)
     assert doc["exact"] and doc["median_ratio"] > 1.5, result.output  # the in-process claim looks good
 

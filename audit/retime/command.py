@@ -16,7 +16,7 @@ from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.pool import PoolOptions, replay_walker
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
-from audit.retime.judge import (NOISY_SPAN, claim_findings, falls_short, gpu_findings, header_findings,
+from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings, header_findings,
                                  process_findings, stop_findings, too_noisy, verified_figures)
 from audit.retime.document import Outcome, build_document, gpu_document, render_table
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
@@ -36,7 +36,7 @@ class RetimeOptions:
 
     stream: Path
     out: Path | None = None
-    prompts: int = 4
+    prompts: int = 9
     max_new_tokens: int | None = None
     legs: int = 2
     model: str | None = None
@@ -72,6 +72,9 @@ class Context:
 def retime(opts: RetimeOptions) -> int:
     """The whole retime; returns the exit code. Writes retime.json once, at the end."""
     started = time.perf_counter()
+    if opts.prompts < MIN_PROMPTS:
+        raise BadInput(f"--prompts {opts.prompts}: a {CONFIDENCE:.0%} interval for the median ratio needs at least "
+                       f"{MIN_PROMPTS} fresh prompts")
     pin_replay_environment()
     path = resolve_stream_path(opts.stream)
     out_path = check_out_path(opts.out or path.parent / "retime.json", path)
@@ -102,7 +105,7 @@ def retime(opts: RetimeOptions) -> int:
                                    instrument=run.header["candidate"].get("instrument") is True,
                                    unverified_reason="the stream fails the file checks"))
     try:
-        draw = fresh_prompts(run, model, min(opts.prompts, len(run.prompts)), seed, opts.fresh)
+        draw = fresh_prompts(run, model, opts.prompts, seed, opts.fresh)
     except NoFreshPrompts as exc:
         return finish(ctx, Outcome(**base(ctx), source=None, verdict="unverified", findings=findings, verified=None,
                                    instrument=run.header["candidate"].get("instrument") is True,
@@ -150,7 +153,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
                         instrument=workers["candidate"].instrument, progress=progress)
         try:
             if not disagree_fails(disagree):
-                time_looks(m, (draw.first, draw.second), measured, falls_short(ctx.claimed["ratio"], ctx.seed))
+                time_looks(m, (draw.first, draw.second), measured, falls_short(ctx.claimed["ratio"]))
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         finally:
@@ -189,13 +192,13 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
         findings += checks.check_leg_spread(p)
     findings += load_findings(timed)
     instrument = workers["candidate"].instrument or header["candidate"].get("instrument") is True
-    provisional = verified_figures(timed, ctx.seed, True, ctx.opts.s_max, ctx.opts.kappa)
+    provisional = verified_figures(timed, True, ctx.opts.s_max, ctx.opts.kappa)
     claim = claim_findings(ctx.claimed["ratio"], provisional["ci_low"], provisional["ci_high"])
     noisy = bool(claim) and too_noisy(provisional["ci_low"], provisional["ci_high"])
     findings += [noisy_finding(claim[0], provisional)] if noisy else claim
     failed = any(f["severity"] == "fail" for f in findings)
     disqualified = failed or noisy or instrument or header["control"].get("name") != "serial"
-    verified = verified_figures(timed, ctx.seed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
+    verified = verified_figures(timed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
     verdict = "fail" if failed else ("pass" if verified["ratio"] is not None and not noisy else "unverified")
     reason = ("no prompt was timed" if verified["ratio"] is None else
               "the machine was too noisy to verify the claim" if noisy else None)

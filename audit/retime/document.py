@@ -8,6 +8,7 @@ from audit import checks
 from audit.processes import GpuWatch
 from audit.report import finding_lines, fmt_ratio
 from audit.retime.fresh import FreshPrompt
+from audit.retime.judge import verified_ratio
 from audit.retime.load import leg_walls, others_load, waited
 from audit.retime.provenance import control_code_line, sandbox_line
 from audit.stream import PromptRun, Run
@@ -52,7 +53,7 @@ def gpu_document(gpu: GpuWatch | None) -> dict | None:
 
 def prompt_entry(fp: FreshPrompt, p: PromptRun, o: Outcome) -> dict:
     return {"id": fp.id, "mirrors": fp.mirrors, "tokens": len(fp.token_ids),
-            "claimed_ratio": o.claimed["per_prompt"].get(fp.mirrors), "ratio": checks.prompt_medians(p)["ratio"],
+            "claimed_ratio": o.claimed["per_prompt"].get(fp.mirrors), "ratio": verified_ratio(p),
             "exact": o.exact.get(p.id, False), "leg_spread": checks.prompt_spreads(p), "waited": waited(p),
             "others_load": others_load(p), "walls": leg_walls(p), "token_ids": fp.token_ids}
 
@@ -135,10 +136,11 @@ def summary_lines(doc: dict) -> list[str]:
     if v is None:
         return [f"claimed median ratio {fmt_ratio(claimed)} (in-process, the stream's); verified: nothing "
                 f"({doc['unverified_reason'] or 'the retime did not measure'})"]
-    ci = "-" if v["ci_low"] is None else f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
-    return [f"verified median ratio {fmt_ratio(v['ratio'])}  {v['confidence']:.0%} interval {ci}  "
+    ci = ("no interval" if v["ci_low"] is None else
+          f"{v['confidence']:.1%} interval [{v['ci_low']:.3f}, {v['ci_high']:.3f}]")
+    return [f"verified median ratio {fmt_ratio(v['ratio'])}  {ci}  "
             f"score {v['score']:.4f}  ({v['prompts']} fresh prompts, N={doc['max_new_tokens']}, "
-            f"{doc['legs']} legs per side; resampled: {v['resampled']})",
+            f"{doc['legs']} legs per side; interval: {v['interval']})",
             f"claimed median ratio {fmt_ratio(claimed)} (in-process, the stream's {doc['claimed']['prompts']} "
             "prompts): quote the verified figure"]
 

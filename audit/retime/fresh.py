@@ -167,10 +167,12 @@ def file_drawer(path: Path, model):
 
 
 def fresh_prompts(run: Run, model, k: int, seed: int, fresh_file: Path | None = None) -> Draw:
-    """Two looks of ``k`` fresh prompts, each of the length of one of the stream's prompts (picked
-    by the seed), each with a spare of the same length. From an auditor's file only the first look
-    is required; its second look and spares are drawn while the file lasts."""
-    mirrors = draw_rng(seed, "mirrors").sample(run.prompts, k)
+    """Two looks of ``k`` fresh prompts, each of the length of one of the stream's prompts (the
+    stream's prompts in an order the seed picks, again from the start when ``k`` is more), each
+    with a spare of the same length. From an auditor's file only the first look is required; its
+    second look and spares are drawn while the file lasts."""
+    order = draw_rng(seed, "mirrors").sample(run.prompts, len(run.prompts))
+    mirrors = [order[i % len(order)] for i in range(k)]
     draw, source = file_drawer(fresh_file, model) if fresh_file else prompt_drawer(run, model)
     held = {tuple(p.token_ids) for p in run.prompts}
 

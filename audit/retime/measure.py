@@ -19,6 +19,7 @@ from audit.pipeline import log
 from audit.processes import cpu_sample, leg_cpu
 from audit.report import fmt_ratio
 from audit.retime.fresh import FreshPrompt
+from audit.retime.judge import verified_ratio
 from audit.retime.load import describe_load, leg_walls, loaded_against_control, others_load, waited
 from audit.retime.workers import WorkerError
 from audit.stream import PromptRun
@@ -117,9 +118,11 @@ def request(m: Measurement, role: str, prompt_ids: list[int], max_new_tokens: in
                             "audit_continued": audit_continued}
 
 
-def time_prompt(m: Measurement, fp: FreshPrompt, origin: float) -> PromptRun:
+def time_prompt(m: Measurement, fp: FreshPrompt, origin: float, opens: str = "control") -> PromptRun:
     """An untimed warm-up of both sides on the prompt's warm-up ids (and, for an instrument, its
-    untimed preparation on the prompt, as ``harness time`` gives it), then ABBA legs."""
+    untimed preparation on the prompt, as ``harness time`` gives it), then ABBA legs, the side
+    ``opens`` first: each side's first leg, the two the verified ratio compares, comes first on
+    every other prompt."""
     try:
         for role in ROLES:
             if m.warmup_tokens:
@@ -128,7 +131,7 @@ def time_prompt(m: Measurement, fp: FreshPrompt, origin: float) -> PromptRun:
             m.workers["candidate"].prepare_prompt(fp.token_ids, m.max_new_tokens)
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
-        for order, role in enumerate(abba_roles(m.legs)):
+        for order, role in enumerate(abba_roles(m.legs, opens)):
             t0, t1, tokens, measures = request(m, role, fp.token_ids, m.max_new_tokens)
             p.legs.append({"type": "leg", "prompt_id": fp.id, "role": role, "leg": seen[role], "order": order,
                            "t_start": t0 - origin, "t_end": t1 - origin, "wall_s": t1 - t0, "tokens": tokens,
@@ -159,8 +162,9 @@ def time_fresh(m: Measurement, prompts: list[FreshPrompt], out: Measured) -> Non
     done = len(out.ran)
     for n, fp in enumerate(prompts, start=done + 1):
         tag = f"retime [{n}/{done + len(prompts)}]"
-        p = time_prompt(m, fp, origin)
-        ratio = checks.prompt_medians(p)["ratio"]
+        opens = ROLES[(n - 1) % 2]
+        p = time_prompt(m, fp, origin, opens)
+        ratio = verified_ratio(p)
         eta = f"; {m.progress.eta()}" if m.progress is not None else ""
         log(f"{tag} {fp.id} ({len(fp.token_ids)} tokens, like {fp.mirrors}): ratio {fmt_ratio(ratio)}{eta}")
         reason = remeasure_reason(p)
@@ -172,8 +176,8 @@ def time_fresh(m: Measurement, prompts: list[FreshPrompt], out: Measured) -> Non
             if m.progress is not None:
                 m.progress.grow(2 * m.legs)
             fp = fp.spare
-            p = time_prompt(m, fp, origin)
-            log(f"{tag} {fp.id}: ratio {fmt_ratio(checks.prompt_medians(p)['ratio'])}")
+            p = time_prompt(m, fp, origin, opens)
+            log(f"{tag} {fp.id}: ratio {fmt_ratio(verified_ratio(p))}")
         out.ran.append((fp, p))
 
 
@@ -186,8 +190,7 @@ def time_looks(m: Measurement, looks: tuple[list[FreshPrompt], list[FreshPrompt]
     why = falls_short(out.timed)
     if not (why and second):
         return
-    out.second_look = {"first_median_ratio": checks.median_ratio([checks.prompt_medians(p)["ratio"]
-                                                                  for p in out.timed]),
+    out.second_look = {"first_median_ratio": checks.median_ratio([verified_ratio(p) for p in out.timed]),
                        "first_prompts": len(out.ran), "prompts": len(second), "reason": why}
     log(f"the first {len(out.ran)} fresh prompts: {why}; a second look, at {len(second)} more, before judging")
     if m.progress is not None:
