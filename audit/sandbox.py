@@ -189,13 +189,14 @@ class Launch:
 
 
 def launch(command: list[str], sandbox: bool, which=shutil.which, root: bool | None = None,
-           environ: dict | None = None) -> Launch:
+           environ: dict | None = None, pycache: str | None = None) -> Launch:
     """How to start ``command`` (a ``python -I`` worker, ``command[0]`` the interpreter): with a
     private directory of its own that holds its pycache (empty, so no ``.pyc`` written before is
-    loaded: given as ``-X pycache_prefix``, since ``-I`` ignores ``PYTHONPYCACHEPREFIX``) and, with
+    loaded: given as ``-X pycache_prefix``, since ``-I`` ignores ``PYTHONPYCACHEPREFIX``), or the
+    private ``pycache`` given (the control's: what the check of its code compiled), and, with
     ``sandbox``, inside this machine's sandbox (``plan``), the directory its only writable place."""
     tmpdir = tempfile.mkdtemp(prefix="qwen35-worker-")
-    pycache = os.path.join(tmpdir, "pycache")
+    pycache = pycache or os.path.join(tmpdir, "pycache")
     command = [command[0], "-X", f"pycache_prefix={pycache}", *command[1:]]
     env = dict(os.environ if environ is None else environ)
     env["PYTHONPYCACHEPREFIX"] = pycache

@@ -36,6 +36,8 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
               audit replay, audit retime) beside a steady CPU hog (4 at once); two tables
+  retime-null bench/retime_null.py (CPU, simulation): how often a retime would score a candidate
+              exactly as fast as the control, under the retime's rule and the median/bootstrap rule
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -175,6 +177,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
                      ok=(0, 1)),
                 Step("quickstarts", (PY, "bench/cpu_verify.py", "quickstarts", "--out", str(out / "quickstarts"),
                                      "--jobs", "4", "--hogs", "1"), ok=(0, 1))]
+    if name == "retime-null":
+        return [Step("retime-null", (PY, "bench/retime_null.py", "--trials", "1000"))]
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
@@ -184,7 +188,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
 
 SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "sampling", "retime-9b",
         "replay-throughput",
-        "cpu-verify", "tests-cuda", "suite")
+        "cpu-verify", "retime-null", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
 
 

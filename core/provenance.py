@@ -48,6 +48,8 @@ FULL_DISTRIBUTIONS = ("torch", "transformers")
 STARTUP_MODULES = ("sitecustomize", "usercustomize")
 CHUNK = 1 << 20
 CLOSURE_TIMEOUT_S = 300
+# ``pycache=`` for a closure that loads the interpreter's own ``__pycache__`` files (see Closure)
+PROCESS_PYCACHE = "process"
 
 # run by the fresh interpreter: import the modules, print every loaded module's file
 CLOSURE = """
@@ -179,13 +181,23 @@ def record_index(names=None) -> dict[str, tuple[str, str]]:
 
 class Closure:
     """The module files a fresh isolated interpreter loads importing ``modules``; started at once,
-    read by ``files()`` (so the hashing of what is known already overlaps the imports)."""
+    read by ``files()`` (so the hashing of what is known already overlaps the imports).
 
-    def __init__(self, modules, python: str = sys.executable):
-        self.cache = tempfile.TemporaryDirectory(prefix="qwen35-pycache-")
+    ``pycache``: None, a fresh private pycache, removed afterwards (no ``.pyc`` written before is
+    loaded, so a planted one cannot make the closure lie; everything is compiled from source); a
+    directory, the private pycache to use and keep (``audit retime`` hands it on to the control's
+    worker, which then loads what the closure compiled instead of compiling it again);
+    ``PROCESS_PYCACHE``, the interpreter's own ``__pycache__`` files (``harness time``, whose own
+    process goes on to import the control from those same files, so a private one would guard
+    nothing its control does not already load)."""
+
+    def __init__(self, modules, python: str = sys.executable, pycache: str | None = None):
+        self.cache = tempfile.TemporaryDirectory(prefix="qwen35-pycache-") if pycache is None else None
+        prefix = self.cache.name if self.cache is not None else pycache
+        # -I ignores PYTHONPYCACHEPREFIX: a private pycache is given with -X
+        flags = [] if prefix == PROCESS_PYCACHE else ["-X", f"pycache_prefix={prefix}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        # -I ignores PYTHONPYCACHEPREFIX: the private pycache is given with -X
-        self.proc = subprocess.Popen([python, "-I", "-X", f"pycache_prefix={self.cache.name}", "-c", CLOSURE, *modules],
+        self.proc = subprocess.Popen([python, "-I", *flags, "-c", CLOSURE, *modules],
                                      env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
@@ -196,7 +208,8 @@ class Closure:
             self.proc.kill()
             out, err = self.proc.communicate()
         finally:
-            self.cache.cleanup()
+            if self.cache is not None:
+                self.cache.cleanup()
         if self.proc.returncode != 0 or not out.strip():
             raise OSError(f"importing the control's modules failed: {err.strip()[-400:]}")
         return [os.path.normpath(p) for p in json.loads(out.strip().splitlines()[-1]) if os.path.isabs(p)]
@@ -237,12 +250,13 @@ def python_files(root: str, packages: set[str], blobs: dict[str, str]) -> list[s
 
 def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_DISTRIBUTIONS,
                        python: str = sys.executable, git_reference=None, records=None,
-                       clock=time.perf_counter) -> ProvenanceReport:
+                       clock=time.perf_counter, pycache: str | None = None) -> ProvenanceReport:
     """Check the control's code (see the module docstring). ``git_reference`` (a ``GitReference``,
     or a directory to find one from; by default the work tree of the first control module's
-    package) and ``records`` (``record_index()``'s map) are injectable."""
+    package) and ``records`` (``record_index()``'s map) are injectable; ``pycache`` is the
+    closure's (``Closure``)."""
     start = clock()
-    closure = Closure(control_modules, python)
+    closure = Closure(control_modules, python, pycache)
     report, done = ProvenanceReport(), set()
     try:
         records = record_index() if records is None else records

@@ -81,9 +81,10 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 def check_control_code(log) -> dict:
     """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
     is imported; a changed file is named here, recorded in the header, and fails the audit."""
-    from core.provenance import control_code_header  # runs a fresh interpreter: only when a command runs
+    from core.provenance import PROCESS_PYCACHE, control_code_header  # runs a fresh interpreter: only when a command runs
 
-    summary, findings = control_code_header()
+    # this process imports the control from the interpreter's own pycache: so does the closure
+    summary, findings = control_code_header(pycache=PROCESS_PYCACHE)
     for f in findings:
         log(f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}")
     return summary

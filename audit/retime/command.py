@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +135,10 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     if not tree_control():
         log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
-    provenance = control_code(sides)  # before any worker starts: the code the control will load
+    # before any worker starts: the code the control will load, compiled into a private pycache
+    # that only the control's worker then uses
+    control_pycache = tempfile.mkdtemp(prefix="qwen35-control-pycache-")
+    provenance = control_code(sides, control_pycache)
     findings += control_code_findings(provenance)
     was_reaper = set_subreaper(True)
     gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
@@ -141,7 +146,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     clock = PerfClock()
     try:
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
-                                positions=longest_request(draw, ctx.max_new_tokens))
+                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache)
         findings += sandbox_findings(workers["candidate"].launch.sandbox)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
@@ -161,6 +166,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
             for w in workers.values():
                 w.close()
     finally:
+        shutil.rmtree(control_pycache, ignore_errors=True)
         audit_continues.restore()
         if gpu is not None:
             gpu.stop()

@@ -15,12 +15,14 @@ from audit.retime.workers import Side
 CONTROL_MODULES = ("harness.worker", "decoders", "decoders.serial", "core.models", "core.determinism")
 
 
-def control_code(sides: list[Side]):
-    """The control's import closure checked against git HEAD / RECORD; None where the check could
-    not run. A plug-in control's own module joins the closure."""
+def control_code(sides: list[Side], pycache: str):
+    """The control's import closure checked against git HEAD / RECORD, compiled into the private
+    ``pycache`` the control's worker then starts with; None where the check could not run. A
+    plug-in control's own module joins the closure."""
     control = next(s for s in sides if s.role == "control")
     try:
-        return check_control_code(CONTROL_MODULES + ((control.spec.partition(":")[0],) if control.plugin else ()))
+        return check_control_code(CONTROL_MODULES + ((control.spec.partition(":")[0],) if control.plugin else ()),
+                                  pycache=pycache)
     except (OSError, subprocess.SubprocessError) as exc:
         log(f"the control's code could not be checked: {exc}")
         return None
