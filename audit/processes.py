@@ -112,6 +112,7 @@ class ProcessTree:
         self.audit_pid = os.getpid()
         self.not_orphans: set[int] = set()  # the audit's children that are not orphans: the workers, older ones
         self.stopped: list[int] = []
+        self.stopped_in_group: set[int] = set()  # of those, the ones in the worker's process group
         self.seen: set[int] = set()  # every member ever found, to reap the ones that were the audit's
         self.outside_group: set[int] = set()
         self.in_box: set[int] = set()  # during one stop: members a frozen cgroup holds
@@ -148,6 +149,7 @@ class ProcessTree:
                 send(pid, signal.SIGSTOP)
             self.seen.update(new)
             self.outside_group.update(pid for pid in new if table[pid][1] != self.pid)
+            self.stopped_in_group.update(pid for pid in new if table[pid][1] == self.pid)
             self.stopped += new
         if frozen is not None:
             self.in_box.clear()
@@ -159,8 +161,10 @@ class ProcessTree:
         self.group_stopped = True
 
     def resume(self) -> bool:
-        """SIGCONT to the worker's group (if ``stop`` signalled it), then to every process ``stop``
-        stopped, parents first; returns whether the worker itself was sent a SIGCONT."""
+        """SIGCONT to the worker's group (if ``stop`` signalled it), then to every other process
+        ``stop`` stopped, parents first; returns whether the worker itself was sent a SIGCONT. A
+        process in the group gets the group's SIGCONT only: a second one, handled apart when the
+        first was already delivered, would count as a continue the audit did not send."""
         group = self.group_stopped
         if group:
             try:
@@ -168,8 +172,10 @@ class ProcessTree:
             except ProcessLookupError:
                 pass
         for pid in self.stopped:
-            send(pid, signal.SIGCONT)
+            if not (group and pid in self.stopped_in_group):
+                send(pid, signal.SIGCONT)
         self.stopped = []
+        self.stopped_in_group = set()
         self.group_stopped = False
         return group
 
