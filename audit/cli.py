@@ -223,8 +223,7 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     replays every retimed token through its pristine serial path. The verified figures are the
     retime's own: per-prompt ratios (the control's first leg over the candidate's first), their
     median, a distribution-free 95% interval, and the score (0 unless the interval's bottom is
-    above 1). The
-    stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
+    above 1). The stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
     above the interval's top by more than the margin. A stream that fails audit replay's file
     checks is not retimed; a header the decoders contradict fails (header-disagrees).
 

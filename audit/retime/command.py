@@ -18,8 +18,8 @@ from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.pool import PoolOptions, replay_walker
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
-from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings, header_findings,
-                                 process_findings, stop_findings, too_noisy, verified_figures)
+from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings,
+                                 header_findings, process_findings, stop_findings, too_noisy, verified_figures)
 from audit.retime.document import Outcome, build_document, gpu_document, render_table
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
 from audit.retime.load import load_findings

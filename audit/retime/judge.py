@@ -13,8 +13,8 @@ instrument, for a run not timed against the serial control and when nothing was 
 Why not the median of the control's legs, nor a bootstrap: the median of two legs is their mean,
 which under load's right-skewed noise lies above a single leg's, so a candidate no faster than the
 control drew ratios above 1; and a percentile bootstrap of a median of a few prompts is
-[min, max], whose true coverage at 3 prompts is 75%. Together they gave a serial-speed candidate a
-PASS with a positive score in CI (bench/NOTES.md, session 15). With the like-for-like ratio a
+[min, max], whose true coverage at 3 prompts is 75% (``bench/retime_null.py`` simulates both
+rules). With the like-for-like ratio a
 candidate no faster than the control has a ratio above 1 on a prompt at most half the time, so
 its interval's bottom lies above 1 with probability at most 2.5%, whatever the machine's noise.
 
