@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.sampling import GREEDY, Sampler
 from decoders import CONTROL, DEFAULT_DECODER
 
 
@@ -25,6 +26,7 @@ class TimeOptions:
     out_dir: Path | None = None  # None: runs/<decoder>-<timestamp>
     force: bool = False  # replace an existing DIR/stream.jsonl
     seed: int = 0  # set before decoding; also draws the warm-up prompts
+    sampler: Sampler = GREEDY  # what decides the tokens, both sides alike (core.sampling)
     report: bool = False  # render DIR/report.md after the stream is written
     dist_timeout: float = 1800.0  # under torchrun: seconds without progress before a rank counts as hung
 

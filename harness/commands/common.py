@@ -1,7 +1,24 @@
-"""What every ``harness`` command shares: user mistakes as one ``error:`` line."""
+"""What every ``harness`` command shares: user mistakes as one ``error:`` line, the sampler option."""
 from __future__ import annotations
 
 from core.errors import DistError, Stopped, UserError, fail
+
+SAMPLING_HELP = ("Seeded sampling (core.sampling): greedy (the default), a preset (qwen-thinking: temperature=0.6,"
+                 "top_p=0.95,top_k=20; qwen-instruct: temperature=0.7,top_p=0.8,top_k=20), or key=value items "
+                 "(temperature or t, top_k, top_p, min_p, seed), optionally after a preset: qwen-thinking,seed=7. "
+                 "The seed defaults to 0; temperature 0 is greedy.")
+
+
+def parse_sampling(text: str | None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler``; a SPEC that defines none is a UserError."""
+    from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
+
+    if text is None:
+        return GREEDY
+    try:
+        return Sampler.parse(text)
+    except SamplerError as exc:
+        raise UserError(f"--sampling {text!r}: {exc}") from None
 
 
 def run_cli(fn):
