@@ -27,6 +27,18 @@ from audit.stream import BadInput
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
+def parse_sampling(text: str | None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler`` (None: greedy); bad SPEC is a UserError."""
+    from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
+
+    if text is None:
+        return GREEDY
+    try:
+        return Sampler.parse(text)
+    except SamplerError as exc:
+        raise UserError(f"--sampling {text!r}: {exc}") from None
+
+
 def check_device_option(device: str | None) -> None:
     """``--device`` checked before any file is read or model loaded (``core.devices``)."""
     from core.devices import check_device  # torch loads only when a command runs
@@ -144,8 +156,13 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 @click.option("--limit", type=click.IntRange(min=1), default=None, metavar="K", help="Audit the first K records only.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="N, where serial decoding stops without an EOS. Default: the longest output in FILE.")
-def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit, max_new_tokens):
-    """Check FILE's outputs (a jsonl of generations) against serial greedy decoding.
+@click.option("--sampling", default=None, metavar="SPEC",
+              help="The seeded sampler FILE's outputs claim (core.sampling): greedy (the default), a preset "
+                   "(qwen-thinking, qwen-instruct) or key=value items (temperature, top_k, top_p, min_p, seed), "
+                   "e.g. qwen-thinking,seed=7. Each token must then be the sampler's pick at its absolute "
+                   "position (prompt length + index). A line that records its own sampler must match it.")
+def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit, max_new_tokens, sampling):
+    """Check FILE's outputs (a jsonl of generations) against serial decoding, greedy or under --sampling.
 
     \b
     One generation per line, in any of these shapes:
@@ -162,9 +179,10 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
     from audit.report import printable
     from audit.tokens import TokensOptions, run_tokens_audit  # torch loads only when a command runs
 
-    opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
-                         reference=reference, limit=limit, max_new_tokens=max_new_tokens)
     try:
+        opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
+                             reference=reference, limit=limit, max_new_tokens=max_new_tokens,
+                             sampler=parse_sampling(sampling))
         check_device_option(device)
         code = run_tokens_audit(opts, log=log)
     except UserError as exc:

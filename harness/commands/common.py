@@ -9,16 +9,20 @@ SAMPLING_HELP = ("Seeded sampling (core.sampling): greedy (the default), a prese
                  "The seed defaults to 0; temperature 0 is greedy.")
 
 
-def parse_sampling(text: str | None):
-    """``--sampling SPEC`` as a ``core.sampling.Sampler``; a SPEC that defines none is a UserError."""
+def parse_sampling(text: str | None, overrides: dict | None = None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler``, with ``overrides`` (field: value, None
+    for not given) on top; a SPEC or value that defines none is a UserError."""
+    import dataclasses
+
     from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
 
-    if text is None:
-        return GREEDY
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
-        return Sampler.parse(text)
+        base = GREEDY if text is None else Sampler.parse(text)
+        return dataclasses.replace(base, **given)
     except SamplerError as exc:
-        raise UserError(f"--sampling {text!r}: {exc}") from None
+        what = f"--sampling {text!r}" if text is not None else "sampling"
+        raise UserError(f"{what}: {exc}") from None
 
 
 def run_cli(fn):
