@@ -107,7 +107,7 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
     from decoders.api import open_decoder
 
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
-    dec = open_decoder(opts.model, opts.decoder, device=opts.device, **kwargs)
+    dec = open_decoder(opts.model, opts.decoder, device=opts.device, sampler=opts.sampler, **kwargs)
     if isinstance(text, list):
         ids = text
     else:
