@@ -823,12 +823,11 @@ def test_greedy_run_says_greedy(tiny_run):
 
 
 def test_a_header_sampler_that_defines_none_is_one_line(tiny_run):
+    from audit_helpers import write_records
+
     records = read_records(tiny_run)
     records[0]["sampler"] = {"name": "gumbel-max/v1", "temperature": -2}
-    lines = [json.dumps(r) for r in records[:-1]]
-    body = "".join(line + "\n" for line in lines)
-    end = dict(records[-1], records=len(lines), sha256=hashlib.sha256(body.encode()).hexdigest())
-    (tiny_run / "stream.jsonl").write_text(body + json.dumps(end) + "\n")
+    write_records(tiny_run / "stream.jsonl", records)  # resealed
     res = render_cli(tiny_run)
     assert res.exit_code == 2 and "header sampler" in res.output, res.output
     assert not (tiny_run / "report.md").exists()
