@@ -49,7 +49,8 @@ def check_device_option(device: str | None) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
-    """Independent audit of harness runs: exactness by replay, ratios from raw legs, tamper checks."""
+    """Independent audit of harness runs: exactness by replay (greedy or under the recorded seeded
+    sampler), ratios from raw legs, tamper checks."""
 
 
 @main.command("replay")
@@ -82,8 +83,10 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
                workers, dist_timeout):
     """Replay STREAM (a harness stream.jsonl) and audit it.
 
-    Every leg's tokens must be exactly what serial greedy decoding emits (teacher-forced replay,
-    first divergence reported with its top-5 logits and margin); control legs must agree with
+    Every leg's tokens must be exactly what serial decoding emits (teacher-forced replay, first
+    divergence reported with its top-5 logits and margin): greedy, or under the seeded sampler the
+    header records (`harness time --sampling`), each token the sampler's pick at its absolute
+    position (prompt length + index); a header sampler that defines none is bad input (exit 2). Control legs must agree with
     each other; ratios are recomputed from the raw legs and compared with the harness's; leg
     times, ABBA order, the end record's count and sha256 are checked; a candidate much faster
     on later legs than on its first is flagged. A prompt's ratio is the control's median leg over
@@ -235,7 +238,8 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     the verified ratio, its interval and score.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
-    (python -m harness.worker), started cold; the audit times every request to its answer, ABBA,
+    (python -m harness.worker), started cold, both decoding with the header's sampler (greedy when
+    it records none; the retimed legs are replayed with it and retime.json records it); the audit times every request to its answer, ABBA,
     on K fresh prompts of the stream's lengths that no decoder can enumerate (a secret seed; never
     the stream's own prompts), with a second look at K more when the first falls short, and
     replays every retimed token through its pristine serial path. The verified figures are the

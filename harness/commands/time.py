@@ -44,8 +44,8 @@ from harness.run import run_time
               help="Output directory for stream.jsonl. Default: runs/<decoder>-<timestamp>.")
 @click.option("--force", is_flag=True, help="Replace an existing DIR/stream.jsonl.")
 @click.option("--seed", type=int, default=TimeOptions.seed, show_default=True,
-              help="Seed recorded in the header, set before decoding (greedy decoding itself uses no "
-                   "randomness), and drawing the warm-up prompts.")
+              help="Seed recorded in the header, set before decoding (the decoders draw no torch random "
+                   "numbers; a sampler's seed is --sampling's seed=), and drawing the warm-up prompts.")
 @click.option("--sampling", default=None, metavar="SPEC",
               help=SAMPLING_HELP + " Both sides decode with it, each token the sampler's pick at its absolute "
                    "position; the header records it and `audit replay` replays with it. A candidate must "
