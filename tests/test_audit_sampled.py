@@ -136,3 +136,16 @@ def test_preset_is_recorded_with_its_numbers(tmp_path):
     assert header["sampler"] == {"name": NAME, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "min_p": 0.0,
                                  "seed": 11}
     assert json.loads(json.dumps(header["sampler"])) == Sampler.parse("qwen-instruct,seed=11").to_json()
+
+
+def test_sampled_instrument_stream_is_exact(tmp_path):
+    """spec-instrument under a sampler: at alpha 1 every draft is the sampled control's token, so
+    every draft is accepted, and the audit finds every token exact (tests/test_harness_sampling.py
+    checks that its untimed prepare_prompt is given the sampler)."""
+    stream = sampled_run(tmp_path, "spec-instrument", n=16, extra=("--decoder-arg", "alpha=1.0",
+                                                                     "--decoder-arg", "depth=3"))
+    records = read_records(stream)
+    legs = [r for r in records if r["type"] == "leg" and r["role"] == "candidate"]
+    assert all(r["stats"]["drafted"] > 0 and r["stats"]["accepted"] == r["stats"]["drafted"] for r in legs)
+    result, doc = run_audit(stream)
+    assert doc["exact"] and doc["instrument"], result.output
