@@ -13,7 +13,6 @@ from pathlib import Path
 
 from core.catalog import DEFAULT_MODEL
 from core.errors import UserError
-from core.sampling import GREEDY, Sampler
 from decoders import DEFAULT_DECODER, parse_decoder_args
 
 
@@ -32,7 +31,7 @@ class GenerateOptions:
     max_new_tokens: int = 256
     json: bool = False  # one JSON object on stdout instead of streamed text
     record: Path | None = None  # append the prompt and output ids here (audit tokens shape (a))
-    sampler: Sampler = GREEDY  # what decides the tokens (core.sampling)
+    sampler: object = None  # a core.sampling.Sampler: what decides the tokens; None: greedy
 
 
 def read_prompt_ids(path: Path) -> list[int]:
@@ -117,16 +116,19 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
         if new_text:
             stdout.write(new_text)
             stdout.flush()
-    gen = dec.generate(ids, opts.max_new_tokens, on_token=None if opts.json else stream, sampler=opts.sampler)
+    from core.sampling import GREEDY
+
+    sampler = opts.sampler or GREEDY
+    gen = dec.generate(ids, opts.max_new_tokens, on_token=None if opts.json else stream, sampler=sampler)
     doc = {"prompt_ids": gen.prompt_ids, "token_ids": gen.token_ids, "text": gen.text,
            "finish_reason": gen.finish_reason, "stats": dataclasses.asdict(gen.stats),
-           "decoder": dec.name, "model": dec.model.identity["name"], "sampler": opts.sampler.to_json()}
+           "decoder": dec.name, "model": dec.model.identity["name"], "sampler": sampler.to_json()}
     if opts.record is not None:
         from core.records import append_record, generation_record
 
         append_record(opts.record, generation_record(f"generate-{uuid.uuid4().hex[:16]}", gen.prompt_ids,
                                                      gen.token_ids, opts.max_new_tokens, dec.name,
-                                                     dec.model.identity["name"], opts.sampler))
+                                                     dec.model.identity["name"], sampler))
     if opts.json:
         stdout.write(json.dumps(doc) + "\n")
     elif stdout.isatty():

@@ -7,8 +7,9 @@ import click
 
 from core.errors import fail
 from core.version import version_option
-from harness.commands.common import SAMPLING_HELP, parse_sampling, run_cli
+from harness.commands.common import run_cli
 from harness.generate import GenerateOptions, run_generate  # torch loads only when it runs
+from harness.options import SAMPLING_HELP, parse_sampling
 
 
 @click.command("generate")

@@ -7,8 +7,8 @@ import click
 
 from core.errors import fail
 from core.version import version_option
-from harness.commands.common import SAMPLING_HELP, parse_sampling, run_cli
-from harness.options import TimeOptions
+from harness.commands.common import run_cli
+from harness.options import SAMPLING_HELP, TimeOptions
 from harness.run import run_time
 
 
@@ -46,7 +46,7 @@ from harness.run import run_time
 @click.option("--seed", type=int, default=TimeOptions.seed, show_default=True,
               help="Seed recorded in the header, set before decoding (the decoders draw no torch random "
                    "numbers; a sampler's seed is --sampling's seed=), and drawing the warm-up prompts.")
-@click.option("--sampling", default=None, metavar="SPEC",
+@click.option("--sampling", default=TimeOptions.sampling, metavar="SPEC",
               help=SAMPLING_HELP + " Both sides decode with it, each token the sampler's pick at its absolute "
                    "position; the header records it and `audit replay` replays with it. A candidate must "
                    "sample (sampling = True in its class).")
@@ -57,7 +57,7 @@ from harness.run import run_time
               help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
                    "finish) for this long is taken as hung; the run then fails with a message naming the "
                    "rank and its prompt, and writes nothing. Also the process group's timeout.")
-def time_cmd(sampling, **options):
+def time_cmd(**options):
     """Time DECODER against the serial control on every prompt, side by side in one process,
     greedy or under one seeded sampler (--sampling).
 
@@ -72,7 +72,7 @@ def time_cmd(sampling, **options):
     one stream.jsonl whose header records world_size and each rank's device. If any rank fails
     or hangs, the run fails naming the rank and prompt, and no stream.jsonl is written.
     """
-    opts = run_cli(lambda: TimeOptions(sampler=parse_sampling(sampling), **options))
+    opts = run_cli(lambda: TimeOptions(**options))
     stream_path = run_cli(lambda: run_time(opts))
     if opts.report and stream_path is not None:  # under torchrun, only rank 0 wrote a stream
         render_report(stream_path.parent)
