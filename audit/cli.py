@@ -27,6 +27,18 @@ from audit.stream import BadInput
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
+def parse_sampling(text: str | None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler`` (None: greedy); bad SPEC is a UserError."""
+    from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
+
+    if text is None:
+        return GREEDY
+    try:
+        return Sampler.parse(text)
+    except SamplerError as exc:
+        raise UserError(f"--sampling {text!r}: {exc}") from None
+
+
 def check_device_option(device: str | None) -> None:
     """``--device`` checked before any file is read or model loaded (``core.devices``)."""
     from core.devices import check_device  # torch loads only when a command runs
@@ -37,7 +49,8 @@ def check_device_option(device: str | None) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
-    """Independent audit of harness runs: exactness by replay, ratios from raw legs, tamper checks."""
+    """Independent audit of harness runs: exactness by replay (greedy or under the recorded seeded
+    sampler), ratios from raw legs, tamper checks."""
 
 
 @main.command("replay")
@@ -70,8 +83,10 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
                workers, dist_timeout):
     """Replay STREAM (a harness stream.jsonl) and audit it.
 
-    Every leg's tokens must be exactly what serial greedy decoding emits (teacher-forced replay,
-    first divergence reported with its top-5 logits and margin); control legs must agree with
+    Every leg's tokens must be exactly what serial decoding emits (teacher-forced replay, first
+    divergence reported with its top-5 logits and margin): greedy, or under the seeded sampler the
+    header records (`harness time --sampling`), each token the sampler's pick at its absolute
+    position (prompt length + index); a header sampler that defines none is bad input (exit 2). Control legs must agree with
     each other; ratios are recomputed from the raw legs and compared with the harness's; leg
     times, ABBA order, the end record's count and sha256 are checked; a candidate much faster
     on later legs than on its first is flagged. A prompt's ratio is the control's median leg over
@@ -144,8 +159,13 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
 @click.option("--limit", type=click.IntRange(min=1), default=None, metavar="K", help="Audit the first K records only.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="N, where serial decoding stops without an EOS. Default: the longest output in FILE.")
-def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit, max_new_tokens):
-    """Check FILE's outputs (a jsonl of generations) against serial greedy decoding.
+@click.option("--sampling", default=None, metavar="SPEC",
+              help="The seeded sampler FILE's outputs claim (core.sampling): greedy (the default), a preset "
+                   "(qwen-thinking, qwen-instruct) or key=value items (temperature, top_k, top_p, min_p, seed), "
+                   "e.g. qwen-thinking,seed=7. Each token must then be the sampler's pick at its absolute "
+                   "position (prompt length + index). A line that records its own sampler must match it.")
+def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit, max_new_tokens, sampling):
+    """Check FILE's outputs (a jsonl of generations) against serial decoding, greedy or under --sampling.
 
     \b
     One generation per line, in any of these shapes:
@@ -162,9 +182,10 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
     from audit.report import printable
     from audit.tokens import TokensOptions, run_tokens_audit  # torch loads only when a command runs
 
-    opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
-                         reference=reference, limit=limit, max_new_tokens=max_new_tokens)
     try:
+        opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
+                             reference=reference, limit=limit, max_new_tokens=max_new_tokens,
+                             sampler=parse_sampling(sampling))
         check_device_option(device)
         code = run_tokens_audit(opts, log=log)
     except UserError as exc:
@@ -217,7 +238,8 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     the verified ratio, its interval and score.
 
     The candidate (with its recorded arguments) and the control each run in a process of their own
-    (python -m harness.worker), started cold; the audit times every request to its answer, ABBA,
+    (python -m harness.worker), started cold, both decoding with the header's sampler (greedy when
+    it records none; the retimed legs are replayed with it and retime.json records it); the audit times every request to its answer, ABBA,
     on K fresh prompts of the stream's lengths that no decoder can enumerate (a secret seed; never
     the stream's own prompts), with a second look at K more when the first falls short, and
     replays every retimed token through its pristine serial path. The verified figures are the

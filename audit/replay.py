@@ -1,9 +1,12 @@
-"""Teacher-forced serial greedy replay through the pristine path.
+"""Teacher-forced serial replay through the pristine path, greedy or under a seeded sampler.
 
 The control (serial decoding) is: prefill the prompt with ``logits_to_keep=1``, then one token
 per HF forward with a DynamicCache, ``argmax`` (first index on ties), stop after EOS or N tokens.
 ``PristineSerial`` makes exactly those calls, written here rather than imported, so the audit
-does not depend on the code it judges.
+does not depend on the code it judges. Under a sampler (the stream header's ``sampler``,
+``core.sampling``) the control's token at absolute position p (prompt length + index) is
+``sampler.pick(logits, p)`` of the same logits instead of the argmax; the sampler is a
+definition shared with the decoders, not code of theirs.
 
 Sharing work: a stream's verified part is, by definition, a prefix of the serial greedy stream,
 and after its first divergence nothing more is checked. So every leg of a prompt is checked
@@ -13,16 +16,21 @@ are collapsed before the walk. The walk goes only as far as some stream still ne
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from core.sampling import GREEDY, Sampler, allowed_mask, gumbel
+
 TOPK = 5
 
 # reasons, and the finding they belong to
 NOT_ARGMAX = "emitted token is not the argmax"
+NOT_PICK = "emitted token is not the sampler's pick"
+TOKEN_REASONS = (NOT_ARGMAX, NOT_PICK)
 ENDS_EARLY = "stream ends before N without an EOS; serial decoding continues"
 AFTER_EOS = "stream continues after an EOS; serial decoding stops there"
 TOO_LONG = "stream is longer than N"
@@ -31,15 +39,20 @@ STOP_REASONS = (ENDS_EARLY, AFTER_EOS, TOO_LONG)
 
 @dataclass
 class Divergence:
+    """A stream's first wrong position. Under a sampler, ``greedy`` is the control's token there
+    (the sampler's pick), and ``top5``, ``margin`` and ``emitted_logit`` are in the sampler's
+    scores (``pick_and_top``), where the pick is the largest."""
+
     position: int  # 0-based index among the new tokens
     emitted: int | None  # None: the stream has no token here
-    greedy: int | None  # None: serial decoding has stopped before here
+    greedy: int | None  # the control's token; None: serial decoding has stopped before here
     top5: list  # [[token_id, logit], ...] of the logits at this position ([] when none exist)
     margin: float | None  # top-1 minus top-2 logit (None when no logits exist)
     reason: str
     # the emitted token's own logit (None when it has none: a stop divergence, or an id outside
     # the vocabulary); not part of audit.json, which reports the margin alone
     emitted_logit: float | None = None
+    sampled: bool = False  # the control sampled (its messages say so)
 
     @property
     def check(self) -> str:
@@ -86,6 +99,41 @@ def logit_of(logits: torch.Tensor, token: int) -> float | None:
     return float(logits[token]) if 0 <= token < logits.numel() else None
 
 
+def sampler_scores(logits: torch.Tensor, sampler: Sampler, position: int) -> torch.Tensor:
+    """What a sampled pick maximises, in logit units: ``logits[v] + T * G(seed, p, v)`` for the
+    tokens the filter keeps, -inf for the others (float64). For reports only: the token itself is
+    always ``sampler.pick``."""
+    row = logits.reshape(-1)
+    z = row.to(torch.float64, copy=True) / sampler.temperature
+    noise = gumbel(sampler.seed, position, row.numel(), row.device)
+    return torch.where(allowed_mask(z, sampler), (z + noise) * sampler.temperature, -math.inf)
+
+
+def pick_and_top(logits: torch.Tensor, sampler: Sampler, position: int) -> tuple[int, list, float | None]:
+    """The control's token at absolute ``position`` with the top-5 and top-1/top-2 margin of what
+    it maximises: the logits when greedy (``greedy_and_top``), else ``sampler_scores`` (tokens the
+    filter drops are left out)."""
+    if sampler.greedy:
+        return greedy_and_top(logits)
+    token = sampler.pick(logits, position)
+    scores = sampler_scores(logits, sampler, position)
+    kept = int(torch.isfinite(scores).sum())
+    vals, idx = torch.topk(scores, min(TOPK, kept))
+    top = [[int(i), float(v)] for v, i in zip(vals.tolist(), idx.tolist())]
+    margin = float(vals[0] - vals[1]) if len(top) > 1 else None
+    return token, top, margin
+
+
+def score_of(logits: torch.Tensor, token: int, sampler: Sampler, position: int) -> float | None:
+    """``token``'s logit (greedy) or its sampler score; None outside the vocabulary or the filter."""
+    if sampler.greedy:
+        return logit_of(logits, token)
+    if not 0 <= token < logits.numel():
+        return None
+    value = float(sampler_scores(logits, sampler, position)[token])
+    return value if math.isfinite(value) else None
+
+
 def teacher_forced_logits(stepper, prompt_ids: list[int], forced: list[int]) -> torch.Tensor:
     """The logits serial decoding computes after ``prompt_ids`` + ``forced``, whatever those tokens
     are: the prompt prefilled, then one forward per forced token, as the walk steps."""
@@ -96,15 +144,17 @@ def teacher_forced_logits(stepper, prompt_ids: list[int], forced: list[int]) -> 
 
 
 def replay_prompt(stepper, prompt_ids: list[int], streams: list[tuple[int, ...]], max_new_tokens: int,
-                  eos: set[int], progress=None, observe=None) -> tuple[dict[tuple, Divergence | None], list[int]]:
-    """Check every distinct stream against serial greedy decoding of ``prompt_ids``.
+                  eos: set[int], progress=None, observe=None,
+                  sampler: Sampler = GREEDY) -> tuple[dict[tuple, Divergence | None], list[int]]:
+    """Check every distinct stream against serial decoding of ``prompt_ids`` under ``sampler``.
 
-    Returns ({stream: first Divergence or None}, the greedy tokens computed). Rules: at every
-    position the emitted token is the argmax; a stream stops exactly where serial stops, right
-    after the first EOS or at N tokens (so shorter than N means ending in EOS, no EOS before the
-    last token, never longer than N). ``audit replay`` and ``audit tokens`` both judge with this
-    function. ``observe(position, logits)``, when given, sees the logits of every position the
-    walk computes, for callers that look at positions where no stream diverged.
+    Returns ({stream: first Divergence or None}, the control's tokens computed). Rules: at every
+    position the emitted token is the control's (the argmax, or the sampler's pick at absolute
+    position len(prompt) + index); a stream stops exactly where serial stops, right after the
+    first EOS or at N tokens (so shorter than N means ending in EOS, no EOS before the last token,
+    never longer than N). ``audit replay`` and ``audit tokens`` both judge with this function.
+    ``observe(position, logits)``, when given, sees the logits of every position the walk
+    computes, for callers that look at positions where no stream diverged.
     """
     result: dict[tuple, Divergence | None] = {s: None for s in streams}
     alive = list(dict.fromkeys(streams))
@@ -114,23 +164,26 @@ def replay_prompt(stepper, prompt_ids: list[int], streams: list[tuple[int, ...]]
     logits = stepper.start(prompt_ids)
     i = 0
     while True:
-        g, top, margin = greedy_and_top(logits)
+        position = len(prompt_ids) + i
+        g, top, margin = pick_and_top(logits, sampler, position)
         greedy_path.append(g)
         if observe:
             observe(i, logits)
         still = []
         for s in alive:
             if len(s) == i:
-                result[s] = Divergence(i, None, g, top, margin, ENDS_EARLY)
+                result[s] = Divergence(i, None, g, top, margin, ENDS_EARLY, sampled=not sampler.greedy)
             elif s[i] != g:
-                result[s] = Divergence(i, s[i], g, top, margin, NOT_ARGMAX, logit_of(logits, s[i]))
+                result[s] = Divergence(i, s[i], g, top, margin, NOT_ARGMAX if sampler.greedy else NOT_PICK,
+                                       score_of(logits, s[i], sampler, position), not sampler.greedy)
             else:
                 still.append(s)
         alive = still
         if g in eos or i + 1 >= max_new_tokens:  # serial decoding ends after this token
             for s in alive:
                 if len(s) > i + 1:
-                    result[s] = Divergence(i + 1, s[i + 1], None, [], None, AFTER_EOS if g in eos else TOO_LONG)
+                    result[s] = Divergence(i + 1, s[i + 1], None, [], None, AFTER_EOS if g in eos else TOO_LONG,
+                                           sampled=not sampler.greedy)
             break
         if not alive:
             break
@@ -162,13 +215,14 @@ def leg_streams(p) -> dict[str, tuple]:
 
 @dataclass(frozen=True)
 class Walk:
-    """One walk along the greedy path: a prompt, the distinct streams it settles, and N. Plain
-    data, so that a worker process (``audit.pool``) can be handed one."""
+    """One walk along the control's path: a prompt, the distinct streams it settles, N and the
+    sampler. Plain data, so that a worker process (``audit.pool``) can be handed one."""
 
     label: str  # what logs and failures call it: a prompt id
     prompt_ids: tuple[int, ...]
     streams: tuple[tuple[int, ...], ...]
     max_new_tokens: int
+    sampler: Sampler = GREEDY
 
 
 @dataclass
@@ -196,7 +250,7 @@ def walk_one(stepper, walk: Walk, eos: set[int], bar=None, log=None) -> Walked:
 
     t0 = time.perf_counter()
     results, greedy = replay_prompt(stepper, list(walk.prompt_ids), list(walk.streams), walk.max_new_tokens, eos,
-                                    progress)
+                                    progress, sampler=walk.sampler)
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.settle(expected_positions(walk.streams, walk.max_new_tokens), len(greedy), ticked)
@@ -215,8 +269,8 @@ def walk_here(model):
     return walker
 
 
-def prompt_walk(p, max_new_tokens: int) -> Walk:
-    return Walk(p.id, tuple(p.token_ids), tuple(dict.fromkeys(leg_streams(p).values())), max_new_tokens)
+def prompt_walk(p, max_new_tokens: int, sampler: Sampler = GREEDY) -> Walk:
+    return Walk(p.id, tuple(p.token_ids), tuple(dict.fromkeys(leg_streams(p).values())), max_new_tokens, sampler)
 
 
 def prompt_replay(p, walked: Walked) -> PromptReplay:
@@ -225,10 +279,11 @@ def prompt_replay(p, walked: Walked) -> PromptReplay:
     return PromptReplay(divs, len(walked.greedy), walked.greedy)
 
 
-def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None, bar=None) -> PromptReplay:
-    """One prompt's walk along the greedy path, settling every leg of it. ``bar``: an
+def replay_one(stepper, p, max_new_tokens: int, eos: set[int], log=None, bar=None,
+               sampler: Sampler = GREEDY) -> PromptReplay:
+    """One prompt's walk along the control's path, settling every leg of it. ``bar``: an
     ``audit.progress.Progress`` ticked once per position."""
-    return prompt_replay(p, walk_one(stepper, prompt_walk(p, max_new_tokens), eos, bar, log))
+    return prompt_replay(p, walk_one(stepper, prompt_walk(p, max_new_tokens, sampler), eos, bar, log))
 
 
 def expected_positions(streams, max_new_tokens: int) -> int:
@@ -246,21 +301,21 @@ def walked_positions(divergence: Divergence | None, full: int) -> int:
 
 
 def replay_shared(walker, runs: list, log=None, bar=None) -> list[tuple[dict[str, PromptReplay], int, float]]:
-    """Replay several runs recorded with one model: each distinct (prompt, N) is walked ONCE for
-    the legs of every run that holds it. A stream's verdict depends only on the greedy path, which
-    is the same for every run of the same model, prompt and N, so sharing the walk changes no
-    result. ``walker``: ``walk_here(model)`` or a worker pool's. Returns, per run, what
+    """Replay several runs recorded with one model: each distinct (prompt, N, sampler) is walked
+    ONCE for the legs of every run that holds it. A stream's verdict depends only on the control's
+    path, which is the same for every run of the same model, prompt, N and sampler, so sharing the
+    walk changes no result. ``walker``: ``walk_here(model)`` or a worker pool's. Returns, per run, what
     ``replay_run`` would: ({prompt_id: PromptReplay}, tokens replayed, seconds); a shared walk's
     tokens and seconds are counted for every run it settled."""
     groups: dict[tuple, list[tuple[int, object]]] = {}
     for i, run in enumerate(runs):
         for p in run.prompts:
-            groups.setdefault((tuple(p.token_ids), run.max_new_tokens), []).append((i, p))
+            groups.setdefault((tuple(p.token_ids), run.max_new_tokens, run.sampler), []).append((i, p))
     walks, members_of = [], []
-    for (prompt_ids, max_new), members in groups.items():
+    for (prompt_ids, max_new, sampler), members in groups.items():
         labelled = [(i, p, leg_streams(p)) for i, p in members]
         streams = tuple(dict.fromkeys(s for _, _, legs in labelled for s in legs.values()))
-        walks.append(Walk(members[0][1].id, prompt_ids, streams, max_new))
+        walks.append(Walk(members[0][1].id, prompt_ids, streams, max_new, sampler))
         members_of.append(labelled)
     out = [({}, 0, 0.0) for _ in runs]
     for n, (k, walked) in enumerate(walker(walks, bar, log), start=1):
@@ -286,7 +341,7 @@ def replay_run(walker, run, log=None, bar=None) -> tuple[dict[str, PromptReplay]
     """Replay every prompt of a run through ``walker`` (``walk_here(model)`` or a worker pool's).
     Returns ({prompt_id: PromptReplay} in file order, tokens replayed, seconds). ``bar``: an
     ``audit.progress.Progress`` over ``planned_positions``."""
-    walks = [prompt_walk(p, run.max_new_tokens) for p in run.prompts]
+    walks = [prompt_walk(p, run.max_new_tokens, run.sampler) for p in run.prompts]
     out, total, t0 = {}, 0, time.perf_counter()
     for n, (i, walked) in enumerate(walker(walks, bar, log), start=1):
         p = run.prompts[i]
@@ -303,7 +358,7 @@ def planned_positions(runs: list, shared: bool = False) -> int:
     walks: dict = {}
     for i, run in enumerate(runs):
         for p in run.prompts:
-            key = (tuple(p.token_ids), run.max_new_tokens) if shared else (i, p.id)
+            key = (tuple(p.token_ids), run.max_new_tokens, run.sampler) if shared else (i, p.id)
             walks.setdefault(key, (run.max_new_tokens, []))[1].extend(tuple(r["tokens"]) for r in p.legs)
     return sum(expected_positions(streams, n) for n, streams in walks.values())
 

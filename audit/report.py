@@ -12,20 +12,23 @@ import click
 from core.schema import LEG_SPREAD_LIMIT, write_json_atomic
 
 from audit import checks
-from audit.replay import Divergence, PromptReplay
+from audit.replay import NOT_PICK, Divergence, PromptReplay
 from audit.stream import BadInput
 
 SCHEMA = "qwen35-exact/audit/1"
 
 
 def divergence_message(label: str, d: Divergence) -> str:
+    control = "serial sampling" if d.sampled else "serial greedy"
     if d.greedy is None:
         return f"{label} at position {d.position}: {d.reason} (emitted {d.emitted})"
     if d.emitted is None:
-        return f"{label} at position {d.position}: {d.reason} (serial greedy would emit {d.greedy})"
+        return f"{label} at position {d.position}: {d.reason} ({control} would emit {d.greedy})"
     top = ", ".join(f"{t}:{v:.4f}" for t, v in d.top5)
-    return (f"{label} diverges at position {d.position}: emitted {d.emitted}, serial greedy {d.greedy} "
-            f"(top-1/top-2 margin {d.margin:.4g}; top5 {top})")
+    scores = "sampler scores " if d.sampled else ""
+    margin = "-" if d.margin is None else f"{d.margin:.4g}"
+    return (f"{label} diverges at position {d.position}: emitted {d.emitted}, {control} {d.greedy} "
+            f"(top-1/top-2 margin {margin}; top5 {scores}{top})")
 
 
 def leg_orders(p) -> dict[str, int]:
@@ -136,7 +139,9 @@ def fmt_divergence(d: dict | None) -> str:
         return f"{d['leg']} @{d['position']}: {d['emitted']} after serial stopped"
     if d["emitted"] is None:
         return f"{d['leg']} @{d['position']}: ended, greedy {d['greedy']}"
-    return f"{d['leg']} @{d['position']}: {d['emitted']} vs greedy {d['greedy']} (margin {d['margin']:.3g})"
+    margin = "-" if d["margin"] is None else f"{d['margin']:.3g}"
+    control = "pick" if d.get("reason") == NOT_PICK else "greedy"
+    return f"{d['leg']} @{d['position']}: {d['emitted']} vs {control} {d['greedy']} (margin {margin})"
 
 
 def fmt_memory(ctl, cand) -> str:

@@ -75,7 +75,7 @@ def replay_share(session, model, run, share: list, log) -> tuple[dict, int, floa
         session.at(f"prompt {p.id!r} ({n}/{len(share)})")
         t_prompt = time.perf_counter()
         try:
-            rep = replay_one(stepper, p, run.max_new_tokens, eos, log)
+            rep = replay_one(stepper, p, run.max_new_tokens, eos, log, sampler=run.sampler)
         except Exception as exc:  # noqa: BLE001 - the audit fails, by rank 0, naming this prompt
             dist.report_local_failure(session.topo, exc)
             return out, tokens, time.perf_counter() - t0, session.record_failure(p.id, dist.error_text(exc))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import UserError
+from core.sampling import Sampler, SamplerError
 from core.schema import StreamFormatError, parse_stream, read_stream_bytes
 
 # new tokens per decode a header may claim: far beyond any run, small enough that a forged N
@@ -63,6 +64,12 @@ class Run:
         return self.header["legs"]
 
     @property
+    def sampler(self) -> Sampler:
+        """What decided the tokens: the header's ``sampler`` (``validate_header`` checked it);
+        absent, greedy."""
+        return header_sampler(self.header)
+
+    @property
     def world_size(self) -> int:
         """Processes that recorded the run: 1 for one process and for files older than the key."""
         return self.header.get("world_size", 1)
@@ -93,6 +100,16 @@ def validate_header(header: dict) -> None:
         if not isinstance(header.get(side), dict) or not isinstance(header[side].get("name"), str):
             raise BadInput(f"header {side} must be an object with a string 'name'")
     validate_ranks(header)
+    header_sampler(header)
+
+
+def header_sampler(header: dict) -> Sampler:
+    """The header's sampler (``core.sampling.Sampler.to_json``); none recorded is greedy. One that
+    does not define a sampler is bad input: the control's tokens would be unknown."""
+    try:
+        return Sampler.from_json(header.get("sampler"))
+    except (SamplerError, TypeError) as exc:
+        raise BadInput(f"header sampler: {exc}") from None
 
 
 def is_device(dev) -> bool:

@@ -1,4 +1,5 @@
-"""``audit tokens FILE --model M``: any engine's greedy output against the pristine serial control.
+"""``audit tokens FILE --model M [--sampling SPEC]``: any engine's output against the pristine
+serial control, greedy or under the seeded sampler it claims (``core.sampling``).
 
 FILE is a jsonl of generations in one of three shapes, read as they are (``read_generations``):
 
@@ -7,12 +8,16 @@ FILE is a jsonl of generations in one of three shapes, read as they are (``read_
   (c) what ``generate`` returns: {"sequences": [[prompt + output ids], ...], "prompt_token_ids" | "prompt_length"}
 
 Every output is checked by ``audit.replay.replay_prompt``, the function ``audit replay`` judges
-streams with: each emitted token must be the argmax of the pristine serial path's logits, and the
-output must stop where serial decoding stops (right after the first EOS, or at N tokens). N is the
-longest output unless given. A divergence is a near-tie when the pristine logit of the greedy
-token exceeds the emitted token's by at most the tolerance (default: ``TIE_ULPS`` ulps of the
-logits' dtype at the top-1 logit), so it can come from the order of the arithmetic alone; above
-it, or at a stop, it is real.
+streams with: each emitted token must be the argmax of the pristine serial path's logits (under
+``--sampling``, the sampler's pick from them at the token's absolute position), and the output must
+stop where serial decoding stops (right after the first EOS, or at N tokens). N is the longest
+output unless given. A divergence is a near-tie when the pristine logit of the greedy token exceeds
+the emitted token's by at most the tolerance (default: ``TIE_ULPS`` ulps of the logits' dtype at
+the top-1 logit), so it can come from the order of the arithmetic alone; above it, or at a stop,
+it is real. Under a sampler the same holds of the sampler's scores (``audit.replay.sampler_scores``:
+logit + T * Gumbel noise, for the tokens its filter keeps); an emitted token the filter drops is
+real. A line that records its own ``sampler`` (``harness generate --record``, ``harness serve``)
+must match ``--sampling``: an output is judged against the sampler it claims.
 
 With a reference file (the same engine without speculation) each pair of outputs is compared
 where they first part, and the pristine path says there which of them is greedy and by what margin:
@@ -35,11 +40,12 @@ from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
 from core.prompts import is_unicode
+from core.sampling import GREEDY, Sampler, SamplerError
 from core.schema import jsonl_values, read_regular
 
 from audit.checks import first_difference
-from audit.replay import (AFTER_EOS, ENDS_EARLY, NOT_ARGMAX, TOO_LONG, PristineSerial, expected_positions,
-                          greedy_and_top, logit_of, replay_prompt, teacher_forced_logits)
+from audit.replay import (AFTER_EOS, ENDS_EARLY, TOKEN_REASONS, TOO_LONG, PristineSerial, expected_positions,
+                          pick_and_top, replay_prompt, score_of, teacher_forced_logits)
 from audit.progress import Progress
 from audit.report import write_document
 
@@ -75,6 +81,7 @@ class Generation:
     explicit_id: bool = False
     padded: bool = False  # shape (c): ``generate`` pads finished rows after their EOS
     max_new_tokens: int | None = None  # the line's own N, where it gives one
+    sampler: Sampler | None = None  # the line's own sampler, where it records one
 
 
 @dataclass
@@ -89,6 +96,7 @@ class TokensOptions:
     reference: Path | None = None
     limit: int | None = None
     max_new_tokens: int | None = None  # None: the longest output
+    sampler: Sampler = GREEDY  # what the engine claims decided its tokens
 
 
 @dataclass
@@ -174,9 +182,23 @@ def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
     own_n = rec.get("max_new_tokens")
     if own_n is not None and (isinstance(own_n, bool) or not isinstance(own_n, int) or own_n < 1):
         raise UserError(f"{where}: 'max_new_tokens' must be a positive integer")
+    try:
+        sampler = Sampler.from_json(rec["sampler"]) if "sampler" in rec else None
+    except (SamplerError, TypeError) as exc:
+        raise UserError(f"{where}: 'sampler': {exc}") from None
     many = len(outputs) > 1
     return [Generation(f"{base}/{k}" if many else base, lineno, out, prompt_ids, text, raw_id is not None, padded,
-                       own_n) for k, out in enumerate(outputs)]
+                       own_n, sampler) for k, out in enumerate(outputs)]
+
+
+def check_samplers(gens: list[Generation], sampler: Sampler, path: Path) -> None:
+    """A line that records its sampler is judged with that one only: another ``--sampling`` is
+    bad input (the check would judge a claim the line does not make)."""
+    for g in gens:
+        if g.sampler is not None and g.sampler != sampler:
+            raise UserError(f"{path} line {g.line}: the output records the sampler {g.sampler.describe()}, "
+                            f"but it is audited with --sampling {sampler.describe()}; pass --sampling "
+                            f"{g.sampler.describe()!r}")
 
 
 def n_of(g: Generation, n: int) -> int:
@@ -308,11 +330,11 @@ def divergence_json(d, dtype: torch.dtype, fixed: float | None) -> dict:
     """A first divergence as the document records it, with its class."""
     out = {"position": d.position, "emitted": d.emitted, "greedy": d.greedy, "top5": d.top5, "margin": d.margin,
            "reason": d.reason}
-    if d.reason != NOT_ARGMAX:
+    if d.reason not in TOKEN_REASONS:
         out.update({"gap": None, "tolerance": None, "class": STOP, "stop": STOP_TEXT[d.reason]})
         return out
-    # the greedy token's logit over the emitted one's: the margin itself when the emitted token is
-    # the runner-up, larger when the engine took a token further down
+    # the greedy token's logit (or the pick's score) over the emitted one's: the margin itself
+    # when the emitted token is the runner-up, larger when the engine took a token further down
     gap = d.top5[0][1] - d.emitted_logit if d.emitted_logit is not None else None
     tol = tolerance(d.top5[0][1], dtype, fixed)
     out.update({"gap": gap, "tolerance": tol, "class": classify(gap, tol), "stop": None})
@@ -329,7 +351,8 @@ def verdict(counts: dict) -> str:
 # --------------------------------------------------------------------------- the walk
 
 
-def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int], log) -> tuple[dict, int, float]:
+def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int], log,
+                 sampler: Sampler = GREEDY) -> tuple[dict, int, float]:
     """One pristine walk per distinct prompt for all its outputs (``replay_prompt``), with a
     progress bar (``audit.progress``). Keeps the logits at the positions where a generation parts
     from its reference. Returns ({prompt ids: Walked}, positions computed, seconds)."""
@@ -342,7 +365,7 @@ def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int]
     walked, positions, t0 = {}, 0, time.perf_counter()
     with Progress(planned, "tokens", log) as bar:
         for k, ((prompt, own_n), members) in enumerate(groups.items(), start=1):
-            walked[prompt, own_n], walk_len = walk_group(stepper, prompt, members, own_n, eos, partings, bar)
+            walked[prompt, own_n], walk_len = walk_group(stepper, prompt, members, own_n, eos, partings, bar, sampler)
             positions += walk_len
             diverged = sum(walked[prompt, own_n].results[tuple(g.output)] is not None for g in members)
             bar.log(f"tokens [{k}/{len(groups)}] {members[0].id}: {walk_len} positions, {len(members)} output(s), "
@@ -351,7 +374,7 @@ def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int]
 
 
 def walk_group(stepper, prompt: tuple, members: list[Generation], n: int, eos: set[int], partings: dict[str, int],
-               bar) -> tuple[Walked, int]:
+               bar, sampler: Sampler = GREEDY) -> tuple[Walked, int]:
     """One prompt's walk for the outputs that share it; (Walked, positions computed)."""
     wanted = {partings[g.id] for g in members if g.id in partings}
     kept: dict[int, torch.Tensor] = {}
@@ -367,12 +390,14 @@ def walk_group(stepper, prompt: tuple, members: list[Generation], n: int, eos: s
         ticked += 1
 
     streams = [tuple(g.output) for g in members]
-    results, greedy = replay_prompt(stepper, list(prompt), streams, n, eos, progress, observe=observe)
+    results, greedy = replay_prompt(stepper, list(prompt), streams, n, eos, progress, observe=observe,
+                                    sampler=sampler)
     bar.settle(expected_positions(streams, n), len(greedy), ticked)
     return Walked(results, kept), len(greedy)
 
 
-def parting_json(model, g: Generation, ref: Generation, div, walked: Walked, dtype, fixed, n: int) -> dict:
+def parting_json(model, g: Generation, ref: Generation, div, walked: Walked, dtype, fixed, n: int,
+                 sampler: Sampler = GREEDY) -> dict:
     """Where ``g`` and its reference first part, and what the pristine path says there."""
     k = first_difference(g.output, ref.output)
     base = {"reference_line": ref.line, "reference_id": ref.id}
@@ -396,14 +421,21 @@ def parting_json(model, g: Generation, ref: Generation, div, walked: Walked, dty
     logits = walked.logits_at.get(k) if greedy_prefix else None
     if logits is None:  # the walk went elsewhere: teacher-force the shared prefix
         logits = teacher_forced_logits(PristineSerial(model), g.prompt_ids, prefix).float()
-    greedy, top, margin = greedy_and_top(logits)
-    off = [t for t in (ours, theirs) if t is not None and t != greedy]
-    gap = top[0][1] - min(logit_of(logits, t) for t in off) if off else None
+    position = len(g.prompt_ids) + k
+    greedy, top, margin = pick_and_top(logits, sampler, position)
+    off = off_tokens(greedy, ours, theirs)
+    scores = [score_of(logits, t, sampler, position) for t in off]
+    gap = (None if None in scores else top[0][1] - min(scores)) if off else None
     tol = tolerance(top[0][1], dtype, fixed)
     out.update({"greedy": greedy, "top5": top, "margin": margin, "gap": gap, "tolerance": tol,
                 "class": classify(gap, tol) if off and all(t is not None for t in (ours, theirs)) else STOP,
                 "cause": cause(greedy_prefix, greedy, ours, theirs)})
     return out
+
+
+def off_tokens(control: int, ours: int | None, theirs: int | None) -> list[int]:
+    """Of the two outputs' tokens at their parting, those that are not the control's."""
+    return [t for t in (ours, theirs) if t is not None and t != control]
 
 
 def cause(greedy_prefix: bool, greedy: int | None, ours: int | None, theirs: int | None) -> str:
@@ -434,7 +466,8 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
                  "first_divergence": first}
         if pairs is not None:
             ref = pairs[g.id]
-            entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n))
+            entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n),
+                                               opts.sampler)
                                   if ref is not None else None)
         entries.append(entry)
     doc = {
@@ -447,6 +480,8 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
         "determinism": determinism.current(),
         "max_new_tokens": n,
         "n_from": "-n" if opts.max_new_tokens else "longest output",
+        # the sampler the outputs were judged against (greedy: temperature 0)
+        "sampler": opts.sampler.to_json(),
         "eos_token_ids": list(model.eos_token_ids),
         "tie_margin": ({"mode": "fixed", "value": opts.tie_margin} if opts.tie_margin is not None
                        else {"mode": "ulps", "ulps": TIE_ULPS, "dtype": str(dtype).removeprefix("torch.")}),
@@ -503,7 +538,9 @@ def render_table(doc: dict) -> str:
         lines += [f"  {e['id']}: {parting_text(e['reference'])}" for e in doc["generations"]]
     c, tm, rp = doc["counts"], doc["tie_margin"], doc["replay"]
     tol = f"{tm['ulps']} ulps of {tm['dtype']} at the top-1 logit" if tm["mode"] == "ulps" else f"{tm['value']:g}"
-    lines += ["", f"N = {doc['max_new_tokens']} ({doc['n_from']}); near-tie tolerance: {tol}",
+    sampler = Sampler.from_json(doc.get("sampler"))
+    sampled = "" if sampler.greedy else f"; sampler: {sampler.describe()}"
+    lines += ["", f"N = {doc['max_new_tokens']} ({doc['n_from']}){sampled}; near-tie tolerance: {tol}",
               f"replay: {rp['tokens_replayed']} positions in {rp['seconds']:.2f} s on {rp['device']} via {rp['path']}",
               f"{c['generations']} generations: {c['exact']} exact, {c[NEAR_TIE]} near-tie, {c[REAL]} real, "
               f"{c[STOP]} stop"]
@@ -564,6 +601,7 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     except UserError as exc:
         raise UserError(f"cannot load model {opts.model!r} to replay with: {exc}") from None
     resolve(gens, model, path)
+    check_samplers(gens, opts.sampler, path)
     if pairs is not None:
         resolve(inputs.refs, model, opts.reference)
         check_same_prompts(gens, pairs, opts.reference, path)
@@ -578,8 +616,9 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
         if k is not None:
             partings[g.id] = k
     if log:
-        log(f"auditing {len(gens)} generation(s) of {path} with {model.name} on {dev}, N = {n} ...")
-    walked, positions, seconds = walk_prompts(model, gens, n, partings, log)
+        sampled = "" if opts.sampler.greedy else f", {opts.sampler.describe()}"
+        log(f"auditing {len(gens)} generation(s) of {path} with {model.name} on {dev}, N = {n}{sampled} ...")
+    walked, positions, seconds = walk_prompts(model, gens, n, partings, log, opts.sampler)
     replay = {"tokens_replayed": positions, "seconds": seconds,
               "ms_per_token": 1000 * seconds / positions if positions else None}
     doc = build_document(opts, inputs, walked, model, dev, n, replay)

@@ -1,7 +1,8 @@
 """Record files: one JSON object per line, appended whole, that `audit tokens` can check.
 
 Shape (a) of docs/audit-tokens.md, with the N the output was decoded under:
-``{"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model"}``.
+``{"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model"}``, and
+``"sampler"`` for a sampled output.
 Several writers (``harness generate`` runs, a server's requests) may append to one file: each
 line goes out in one ``write`` on a file opened for appending, then is flushed to disk, so lines
 never interleave and a crash leaves at most a missing line, never half of one.
@@ -68,7 +69,12 @@ def append_record(path, record: dict) -> None:
 
 
 def generation_record(record_id: str, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int,
-                      decoder: str, model: str) -> dict:
-    """One generation in `audit tokens` shape (a), with its own N."""
-    return {"id": record_id, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
-            "max_new_tokens": int(max_new_tokens), "decoder": decoder, "model": model}
+                      decoder: str, model: str, sampler=None) -> dict:
+    """One generation in `audit tokens` shape (a), with its own N; a sampled one also with its
+    ``sampler`` (``core.sampling.Sampler``, recorded as ``to_json()``), which `audit tokens
+    --sampling` must match."""
+    record = {"id": record_id, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
+              "max_new_tokens": int(max_new_tokens), "decoder": decoder, "model": model}
+    if sampler is not None and not sampler.greedy:
+        record["sampler"] = sampler.to_json()
+    return record

@@ -157,6 +157,11 @@ class ExactDecoder:
     def name(self) -> str:
         return self.decoder.name
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the decoder samples (``sampling = True``): takes a non-greedy sampler."""
+        return getattr(self.decoder, "sampling", False) is True
+
     def reserve(self, positions: int) -> None:
         """Size the decoder now for generations of up to ``positions`` prompt + new tokens
         (``decoders.base.reserve_positions``; nothing for a decoder without static state)."""

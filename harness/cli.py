@@ -18,10 +18,12 @@ from harness.commands.time import time_cmd
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
-    """Exact speculative decoding for Qwen3.5: time decoders against the serial greedy control.
+    """Exact speculative decoding for Qwen3.5: time decoders against the serial control, greedy or
+    under one seeded sampler (--sampling).
 
     Every run writes each raw timing leg and token stream to DIR/stream.jsonl; `audit replay`
-    then checks every token against serial greedy decoding and recomputes the speed ratios.
+    then checks every token against serial decoding under the run's sampler and recomputes the
+    speed ratios.
     """
 
 

@@ -31,6 +31,7 @@ class GenerateOptions:
     max_new_tokens: int = 256
     json: bool = False  # one JSON object on stdout instead of streamed text
     record: Path | None = None  # append the prompt and output ids here (audit tokens shape (a))
+    sampler: object = None  # a core.sampling.Sampler: what decides the tokens; None: greedy
 
 
 def read_prompt_ids(path: Path) -> list[int]:
@@ -105,7 +106,7 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
     from decoders.api import open_decoder
 
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
-    dec = open_decoder(opts.model, opts.decoder, device=opts.device, **kwargs)
+    dec = open_decoder(opts.model, opts.decoder, device=opts.device, sampler=opts.sampler, **kwargs)
     if isinstance(text, list):
         ids = text
     else:
@@ -115,16 +116,19 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
         if new_text:
             stdout.write(new_text)
             stdout.flush()
-    gen = dec.generate(ids, opts.max_new_tokens, on_token=None if opts.json else stream)
+    from core.sampling import GREEDY
+
+    sampler = opts.sampler or GREEDY
+    gen = dec.generate(ids, opts.max_new_tokens, on_token=None if opts.json else stream, sampler=sampler)
     doc = {"prompt_ids": gen.prompt_ids, "token_ids": gen.token_ids, "text": gen.text,
            "finish_reason": gen.finish_reason, "stats": dataclasses.asdict(gen.stats),
-           "decoder": dec.name, "model": dec.model.identity["name"]}
+           "decoder": dec.name, "model": dec.model.identity["name"], "sampler": sampler.to_json()}
     if opts.record is not None:
         from core.records import append_record, generation_record
 
         append_record(opts.record, generation_record(f"generate-{uuid.uuid4().hex[:16]}", gen.prompt_ids,
                                                      gen.token_ids, opts.max_new_tokens, dec.name,
-                                                     dec.model.identity["name"]))
+                                                     dec.model.identity["name"], sampler))
     if opts.json:
         stdout.write(json.dumps(doc) + "\n")
     elif stdout.isatty():

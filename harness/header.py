@@ -75,6 +75,8 @@ def build_header(setup: Setup, settings: dict, opts: TimeOptions, ranks: list[di
         "legs": opts.legs,
         "warmup_tokens": opts.warmup_tokens,
         "seed": opts.seed,
+        # what decided the tokens on both sides (core.sampling); absent: greedy
+        **({} if opts.sampler.greedy else {"sampler": opts.sampler.to_json()}),
         # Both decoders live in this process, so a leg's allocator peak also holds the other
         # decoder's persistent buffers (static caches, graph pools): recorded here so that a leg's
         # own peak is its raw peak minus the other decoder's resident bytes (null on CPU).

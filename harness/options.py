@@ -1,11 +1,33 @@
-"""``TimeOptions``: every ``harness time`` option as one value."""
+"""``TimeOptions``: every ``harness time`` option as one value; the ``--sampling`` option every
+command shares (``parse_sampling``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import UserError
 from decoders import CONTROL, DEFAULT_DECODER
 
+SAMPLING_HELP = ("Seeded sampling (core.sampling): greedy (the default), a preset (qwen-thinking: temperature=0.6,"
+                 "top_p=0.95,top_k=20; qwen-instruct: temperature=0.7,top_p=0.8,top_k=20), or key=value items "
+                 "(temperature or t, top_k, top_p, min_p, seed), optionally after a preset: qwen-thinking,seed=7. "
+                 "The seed defaults to 0; temperature 0 is greedy.")
+
+
+def parse_sampling(text: str | None, overrides: dict | None = None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler``, with ``overrides`` (field: value, None
+    for not given) on top; a SPEC or value that defines none is a UserError."""
+    import dataclasses
+
+    from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
+
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        base = GREEDY if text is None else Sampler.parse(text)
+        return dataclasses.replace(base, **given)
+    except SamplerError as exc:
+        what = f"--sampling {text!r}" if text is not None else "sampling"
+        raise UserError(f"{what}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -25,6 +47,7 @@ class TimeOptions:
     out_dir: Path | None = None  # None: runs/<decoder>-<timestamp>
     force: bool = False  # replace an existing DIR/stream.jsonl
     seed: int = 0  # set before decoding; also draws the warm-up prompts
+    sampling: str | None = None  # --sampling SPEC: what decides the tokens, both sides alike; None: greedy
     report: bool = False  # render DIR/report.md after the stream is written
     dist_timeout: float = 1800.0  # under torchrun: seconds without progress before a rank counts as hung
 
@@ -34,3 +57,10 @@ class TimeOptions:
         if self.legs < 1 or self.warmup_tokens < 0 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
             raise ValueError(f"TimeOptions out of range: legs={self.legs}, warmup_tokens={self.warmup_tokens}, "
                              f"max_new_tokens={self.max_new_tokens}")
+        if self.sampling is not None:
+            parse_sampling(self.sampling)  # a SPEC that defines no sampler is refused before anything runs
+
+    @property
+    def sampler(self):
+        """``--sampling`` as a ``core.sampling.Sampler`` (greedy when not given)."""
+        return parse_sampling(self.sampling)

@@ -57,6 +57,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     watch.watch_control(control)
     kwargs = parse_decoder_args(opts.decoder_args)
     candidate = get_decoder(opts.decoder, **kwargs)
+    check_sampling({"control": control, "candidate": candidate}, opts.sampler)
     log(f"loading model {opts.model} ...")
     model = load_model(opts.model, opts.device)
     dev = model.device
@@ -76,6 +77,16 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     torch.manual_seed(opts.seed)
     return Setup(control, candidate, kwargs, model, dev, max_new_tokens, prompts, prompt_info, warmups, resident,
                  positions, clock, watch, violations, control_code)
+
+
+def check_sampling(decoders: dict, sampler) -> None:
+    """A sampled run needs both sides to sample (``sampling = True``): refused before the model loads."""
+    if sampler.greedy:
+        return
+    for role, dec in decoders.items():
+        if getattr(dec, "sampling", False) is not True:
+            raise UserError(f"the {role} {getattr(dec, 'name', type(dec).__name__)} does not sample "
+                            f"(no sampling = True), so it cannot decode with --sampling {sampler.describe()}")
 
 
 def check_control_code(log) -> dict:

@@ -18,7 +18,7 @@ def time_one(setup: Setup, prompt, opts: TimeOptions, on_leg=None) -> tuple[list
 
     records = time_prompt(prompt, setup.warmups[prompt.id], {"control": setup.control, "candidate": setup.candidate},
                           setup.max_new_tokens, opts.legs, opts.warmup_tokens, setup.dev, setup.clock, setup.watch,
-                          on_leg)
+                          on_leg, sampler=opts.sampler)
     legs = legs_only(records)
     summary = summarize_prompt(prompt.id, legs)
     summary["same_tokens_as_control"] = all(r["tokens"] == legs[0]["tokens"] for r in legs)

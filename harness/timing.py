@@ -80,15 +80,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_decode(decoder, prompt_ids, max_new_tokens, device, clock: Clock) -> dict:
+def sampling_kwargs(sampler) -> dict:
+    """The keyword a decode takes for ``sampler``: none when greedy (decoders that do not sample
+    take no ``sampler``), else ``sampler=``."""
+    return {} if sampler is None or sampler.greedy else {"sampler": sampler}
+
+
+def timed_decode(decoder, prompt_ids, max_new_tokens, device, clock: Clock, sampler=None) -> dict:
     """One leg: wall time around the decode, device synchronised; peak memory where measurable."""
     cuda = device.type == "cuda"
+    kwargs = sampling_kwargs(sampler)
     if cuda:
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     t0 = clock.now()
-    result = decoder.decode(prompt_ids, max_new_tokens)
+    result = decoder.decode(prompt_ids, max_new_tokens, **kwargs)
     synchronize(device)
     t1 = clock.now()
     return {
@@ -376,12 +383,14 @@ class Watch:
 
 
 def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, legs: int, warmup_tokens: int,
-                device: torch.device, clock: Clock, watch: Watch | None = None, on_leg=None) -> list[dict]:
+                device: torch.device, clock: Clock, watch: Watch | None = None, on_leg=None,
+                sampler=None) -> list[dict]:
     """Warm both decoders up on ``warmup`` (another prompt of the same length), then run ``legs``
-    legs of each in ABBA order. Returns the leg records in the order they ran, each followed by
+    legs of each in ABBA order, every decode under ``sampler`` (None: greedy). Returns the leg records in the order they ran, each followed by
     the violation records its integrity check found (when ``watch`` is given: then the Watch's
     copies of them, as made)."""
     records = []
+    kwargs = sampling_kwargs(sampler)
     if watch is not None:
         watch.begin_records()
     for role in ("control", "candidate"):
@@ -389,16 +398,17 @@ def time_prompt(prompt, warmup: list[int], decoders: dict, max_new_tokens: int, 
         prepare_prompt = getattr(decoder, "prepare_prompt", None)
         if is_instrument(decoder) and callable(prepare_prompt):
             # untimed per-prompt preparation, for instruments only (the audit never scores them):
-            # a scored decoder doing work here would be hiding it from the clock
-            prepare_prompt(prompt.token_ids, max_new_tokens)
+            # a scored decoder doing work here would be hiding it from the clock; what an
+            # instrument prepares (the control's stream) depends on the sampler
+            prepare_prompt(prompt.token_ids, max_new_tokens, **kwargs)
         if warmup_tokens > 0:
-            decoder.decode(warmup, min(warmup_tokens, max_new_tokens))
+            decoder.decode(warmup, min(warmup_tokens, max_new_tokens), **kwargs)
     if watch is not None:
         records += watch.check(f"after the warm-up of prompt {prompt.id}", clock, records)
     seen = {"control": 0, "candidate": 0}
     for order, role in enumerate(abba_roles(legs)):
         built = runtime_builds()
-        leg = timed_decode(decoders[role], prompt.token_ids, max_new_tokens, device, clock)
+        leg = timed_decode(decoders[role], prompt.token_ids, max_new_tokens, device, clock, sampler)
         built = runtime_builds() - built
         rec = {"type": "leg", "prompt_id": prompt.id, "role": role, "leg": seen[role], "order": order, **leg}
         seen[role] += 1

@@ -15,9 +15,11 @@ reach the timing or the other side. Protocol, one JSON object per line:
            and exit 2.
   request  stdin ``{"prompt_ids": [...], "max_new_tokens": N}`` -> stdout ``{"tokens": [...]}``,
            written once the decode returned and the device is synchronised; a request that
-           fails gets ``{"error": "..."}`` and the worker goes on.
+           fails gets ``{"error": "..."}`` and the worker goes on. Every decode is under the
+           ``--sampling`` sampler (default greedy), as ``harness time --sampling`` decodes.
   prepare  stdin ``{"prepare_prompt": [...], "max_new_tokens": N}`` -> ``{"prepared": true}``: a
-           benchmark instrument's untimed per-prompt preparation (as ``harness time`` calls it);
+           benchmark instrument's untimed per-prompt preparation (as ``harness time`` calls it,
+           with the sampler);
            refused with ``{"error": ...}`` for a decoder that is not marked ``instrument = True``.
   end      stdin closed: the worker exits 0.
 
@@ -40,9 +42,11 @@ from core import determinism
 from core.continues import ContinueCounter
 from core.errors import UserError
 from core.models import load_model
+from core.sampling import GREEDY, Sampler, SamplerError
 from decoders import get_decoder, parse_decoder_args
 from decoders.base import reserve_positions
-from harness.timing import is_instrument
+from harness.prepare import check_sampling
+from harness.timing import is_instrument, sampling_kwargs
 
 
 def reply(channel, obj: dict, continues: ContinueCounter) -> None:
@@ -51,10 +55,23 @@ def reply(channel, obj: dict, continues: ContinueCounter) -> None:
     channel.flush()
 
 
-def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict, positions: int | None = None):
+def parse_sampler(text: str | None) -> Sampler:
+    """``--sampling``: a stream header's sampler (its JSON object, exact) or a SPEC as ``harness
+    time --sampling`` takes it; None is greedy."""
+    if text is None:
+        return GREEDY
+    try:
+        return Sampler.from_json(json.loads(text)) if text.lstrip().startswith("{") else Sampler.parse(text)
+    except (SamplerError, json.JSONDecodeError) as exc:
+        raise UserError(f"--sampling {text!r}: {exc}") from None
+
+
+def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict, positions: int | None = None,
+          sampler: Sampler = GREEDY):
     """The model and the prepared decoder, sized for ``positions`` when given."""
     transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
     decoder = get_decoder(decoder_spec, **kwargs)
+    check_sampling({"decoder": decoder}, sampler)
     model = load_model(model_spec, device)
     decoder.prepare(model)
     if positions is not None:
@@ -62,8 +79,9 @@ def setup(model_spec: str, device: str | None, decoder_spec: str, kwargs: dict, 
     return model, decoder
 
 
-def serve(channel, model, decoder, continues: ContinueCounter) -> None:
-    """Answer requests until stdin closes."""
+def serve(channel, model, decoder, continues: ContinueCounter, sampler: Sampler = GREEDY) -> None:
+    """Answer requests until stdin closes, every decode under ``sampler``."""
+    kwargs = sampling_kwargs(sampler)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -72,11 +90,11 @@ def serve(channel, model, decoder, continues: ContinueCounter) -> None:
             if "prepare_prompt" in request:
                 if not is_instrument(decoder):
                     raise UserError(f"{decoder.name} is not an instrument: it gets no untimed preparation")
-                decoder.prepare_prompt(list(request["prepare_prompt"]), int(request["max_new_tokens"]))
+                decoder.prepare_prompt(list(request["prepare_prompt"]), int(request["max_new_tokens"]), **kwargs)
                 reply(channel, {"prepared": True}, continues)
                 continue
             ids, n = request["prompt_ids"], request["max_new_tokens"]
-            tokens = [int(t) for t in decoder.decode(list(ids), int(n)).tokens]
+            tokens = [int(t) for t in decoder.decode(list(ids), int(n), **kwargs).tokens]
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
         except Exception as exc:  # noqa: BLE001 - the caller judges a failed request; this process stays up
@@ -95,7 +113,10 @@ def serve(channel, model, decoder, continues: ContinueCounter) -> None:
               help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
 @click.option("--positions", type=click.IntRange(min=1), default=None, metavar="N",
               help="Reserve room for every request of len(prompt_ids) + max_new_tokens <= N before the ready line.")
-def main(model_spec, device, decoder_spec, args_json, decoder_args, positions):
+@click.option("--sampling", default=None, metavar="SPEC|JSON",
+              help="Decode every request under this seeded sampler: a SPEC as harness time --sampling takes it, "
+                   "or a stream header's sampler object as JSON. Default: greedy.")
+def main(model_spec, device, decoder_spec, args_json, decoder_args, positions, sampling):
     """Serve decode requests for one decoder on stdin/stdout (see the module docstring)."""
     continues = ContinueCounter().install()  # for the life of this process
     determinism.pin()  # before anything touches CUDA, as harness time and the audit do
@@ -105,13 +126,15 @@ def main(model_spec, device, decoder_spec, args_json, decoder_args, positions):
         if not isinstance(kwargs, dict):
             raise UserError(f"--decoder-args must be a JSON object, not {args_json!r}")
         kwargs.update(parse_decoder_args(decoder_args))
-        model, decoder = setup(model_spec, device, decoder_spec, kwargs, positions)
+        sampler = parse_sampler(sampling)
+        model, decoder = setup(model_spec, device, decoder_spec, kwargs, positions, sampler)
     except (UserError, json.JSONDecodeError) as exc:  # a bug's traceback goes to stderr as it is
         reply(channel, {"error": str(exc)}, continues)
         sys.exit(2)
     reply(channel, {"ready": True, "decoder": decoder.name, "config": decoder.config(),
-                    "instrument": is_instrument(decoder), "device": str(model.device)}, continues)
-    serve(channel, model, decoder, continues)
+                    "instrument": is_instrument(decoder), "device": str(model.device),
+                    "sampler": sampler.to_json()}, continues)
+    serve(channel, model, decoder, continues, sampler)
 
 
 if __name__ == "__main__":

@@ -256,7 +256,9 @@ def plot_acceptance(summary: dict, path: Path) -> bool:
     right.set_title("Acceptance by draft depth", fontsize=10.5)
     for ax in (left, right):
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Draft acceptance (all timed legs)", fontsize=12, fontweight="bold")
+    sampling = summary.get("sampler") or {"greedy": True}
+    under = "greedy" if sampling["greedy"] else f"sampled, {sampling['text']}"
+    fig.suptitle(f"Draft acceptance (all timed legs; {under})", fontsize=12, fontweight="bold")
     legend_below(fig, left.get_legend_handles_labels()[0])
     return save(fig, path)
 

@@ -141,8 +141,20 @@ def run_from_records(records: list[dict], integrity: dict, stream_sha256: str, r
     for role in roles:
         if role != CONTROL_ROLE and not isinstance(header.get(role, {}), dict):
             raise UserError(f"{where}: header field {role!r} must be an object naming the decoder")
+    header_sampler(header, where)
     return Run(run_dir=Path(run_dir), stream_path=Path(stream_path), stream_sha256=stream_sha256, header=header,
                prompts=prompts, legs=legs, summaries=summaries, end=end, integrity=integrity, roles=roles)
+
+
+def header_sampler(header: dict, where):
+    """The sampler the header records (``core.sampling.Sampler``); absent: greedy. One that
+    defines no sampler is bad input."""
+    from core.sampling import Sampler, SamplerError  # imports torch: only when a report is rendered
+
+    try:
+        return Sampler.from_json(header.get("sampler"))
+    except (SamplerError, TypeError) as exc:
+        raise UserError(f"{where}: header sampler: {exc}") from None
 
 
 def role_order(legs: list[dict]) -> list[str]:

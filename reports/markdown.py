@@ -112,6 +112,7 @@ def banner(b: dict) -> str:
 
 def summary_table(summary: dict) -> str:
     audit, model, primary = summary["audit"], summary["model"], summary["primary_role"]
+    sampling = summary["sampler"]
     audited = audit["status"] in ("pass", "fail")
     model_bits = [model.get("kind")]
     if model.get("weights_fingerprint"):
@@ -135,10 +136,12 @@ def summary_table(summary: dict) -> str:
                  f"**{audit['verdict'].upper()}**{'; ' + params if params else ''})")
         n_div = sum(p["verdict"] == "diverged" for p in summary["prompts"])
         n_unchecked = sum(p["verdict"] == "not replayed" for p in summary["prompts"])
+        control = "serial greedy decoding" if sampling["greedy"] else f"serial sampling ({sampling['text']})"
         if audit["exact"]:
-            exact = "yes: every prompt's tokens equal serial greedy decoding (audit)"
+            exact = f"yes: every prompt's tokens equal {control} (audit)"
         else:
-            bits = [f"{n_div} of {summary['prompt_count']} prompts diverge from serial greedy"] if n_div else []
+            bits = [f"{n_div} of {summary['prompt_count']} prompts diverge from {control.replace(' decoding', '')}"
+                    ] if n_div else []
             bits += [f"{n_unchecked} not replayed (tokens unverified)"] if n_unchecked else []
             exact = "**NO**" + (": " + ", ".join(bits) if bits else "") + " (audit)"
     else:
@@ -152,6 +155,7 @@ def summary_table(summary: dict) -> str:
         ["Prompts", str(summary["prompt_count"])
          + (f" ({summary['prompt_source']})" if summary["prompt_source"] else "")],
         ["N (max new tokens)", str(summary["max_new_tokens"])],
+        ["Sampling", sampling_text(sampling)],
         ["Legs", f"{summary['legs_per_side']} per side per prompt, ABBA ({summary['leg_records']} timed decodes)"],
         ["Median ratio", med_text],
         ["Score", score],
@@ -166,8 +170,19 @@ def summary_table(summary: dict) -> str:
     acc = summary["acceptance"].get(primary)
     if acc and acc["mean_accepted_length"] is not None:
         rows.append(["Mean accepted length", f"{acc['mean_accepted_length']:.2f} tokens per verification round "
-                                             f"({name_of(summary, primary)})"])
+                                             f"({name_of(summary, primary)}, {temperature_text(sampling)})"])
     return "## Summary\n\n" + table(["", ""], rows)
+
+
+def sampling_text(sampling: dict) -> str:
+    if sampling["greedy"]:
+        return "greedy (argmax)"
+    return (f"`{sampling['text']}` ({sampling['name']}): each token the sampler's pick at its absolute position, "
+            "on both sides; the audit replays with it")
+
+
+def temperature_text(sampling: dict) -> str:
+    return "greedy" if sampling["greedy"] else f"temperature {sampling['temperature']:g}"
 
 
 def speedup_section(summary: dict, figures: dict) -> str:
@@ -214,16 +229,21 @@ def acceptance_section(summary: dict, figures: dict) -> str:
     if not acc:
         return "## Draft acceptance\n\nNot recorded: no decoder in this run drafted tokens."
     rows = []
+    sampling = summary["sampler"]
     for role, a in acc.items():
         by_depth = ", ".join("—" if r is None else f"{100 * r:.0f}%" for r in a["rate_by_depth"])
         hist = ", ".join(f"{k}: {v}" for k, v in a["hist"].items())
-        rows.append([name_of(summary, role), a["legs"], a["rounds"],
+        rows.append([name_of(summary, role), temperature_text(sampling), a["legs"], a["rounds"],
                      "—" if a["mean_accepted_length"] is None else f"{a['mean_accepted_length']:.2f}",
                      hist, by_depth])
+    # a draft is accepted when it equals the control's token: the argmax, or under a sampler its pick
+    accepted = ("" if sampling["greedy"] else
+                f" Under the sampler `{sampling['text']}` a draft counts as accepted when it equals the "
+                "sampler's pick at its position.")
     return ("## Draft acceptance\n\n" + figure(figures, "acceptance") + "\n\n"
             "Summed over all timed legs. Mean accepted length = tokens emitted per verification round "
-            "(accepted drafts + the model's own token).\n\n"
-            + table(["decoder", "legs", "rounds", "mean accepted length", "rounds by drafts accepted",
+            f"(accepted drafts + the model's own token).{accepted}\n\n"
+            + table(["decoder", "sampler", "legs", "rounds", "mean accepted length", "rounds by drafts accepted",
                      "accepted by depth (1, 2, …)"], rows))
 
 

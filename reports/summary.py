@@ -16,7 +16,7 @@ import statistics
 from collections import Counter
 
 from core.schema import prompt_ratio
-from reports.load import CONTROL_ROLE, Run
+from reports.load import CONTROL_ROLE, Run, header_sampler
 
 PRIMARY_ROLE = "candidate"  # the role the harness header and the audit describe
 PHASES = ("step", "draft", "verify", "rollback", "other")  # time_split order; unknown phases follow
@@ -58,12 +58,19 @@ def summarize_run(run: Run) -> dict:
         "first_divergence": first_divergence(prompts),
         "prompts": prompts,
         "acceptance": {r: acceptance(run, r) for r in others},
+        # what decided the tokens on every side (the header's sampler; greedy when it records none)
+        "sampler": sampler_info(header_sampler(header, run.stream_path)),
         "depth": depth_info(header, prompts, others),
         "memory": memory_info(header, prompts),
         "time_split_recorded": any(p["time_split"].get(r) for p in prompts for r in run.roles),
     }
     summary["banners"] = banners(summary)
     return summary
+
+
+def sampler_info(sampler) -> dict:
+    """The run's sampler for the report: its fields, its one-line description, and greedy or not."""
+    return {**sampler.to_json(), "text": sampler.describe(), "greedy": sampler.greedy}
 
 
 def decoder_info(header: dict, role: str) -> dict:
@@ -284,15 +291,17 @@ def describe_divergence(div: dict) -> str:
         parts.append(f"leg {div['leg']}")
     parts.append(f"position {div.get('position')}")
     emitted, greedy = div.get("emitted"), div.get("greedy")
+    # under a sampler the audit's "greedy" is the sampler's pick, its margin one of sampler scores
+    sampled = div.get("reason") == "emitted token is not the sampler's pick"
     if greedy is None:
         what = f"emitted {emitted} after serial greedy had stopped"
     elif emitted is None:
         what = f"the candidate stopped where serial greedy emits {greedy}"
     else:
-        what = f"emitted {emitted}, greedy {greedy}"
+        what = f"emitted {emitted}, {'the sampler picks' if sampled else 'greedy'} {greedy}"
     text = ", ".join(parts) + ": " + what
     if div.get("margin") is not None:
-        text += f" (logit margin {div['margin']:.4g})"
+        text += f" ({'sampler score' if sampled else 'logit'} margin {div['margin']:.4g})"
     return text
 
 

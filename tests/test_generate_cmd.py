@@ -184,3 +184,62 @@ def test_bad_prompt_ids_are_one_line(tmp_path, content, extra, words):
     result = CliRunner().invoke(main, ["generate", "--prompt-ids", str(path), "--model", "tiny", "--device", "cpu",
                                        *extra])
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output
+
+
+SAMPLED = ("--temperature", "0.6", "--top-k", "20", "--top-p", "0.95", "--seed", "5")
+
+
+def test_sampled_generation_is_serial_sampling_and_its_record_passes_audit_tokens(tiny, tmp_path):
+    """--temperature/--top-k/--top-p/--seed (or --sampling) decode with that seeded sampler: the
+    tokens are serial's under it, --json and --record carry it, and `audit tokens --sampling`
+    passes the record (greedy, it fails)."""
+    from core.sampling import Sampler
+
+    sampler = Sampler(temperature=0.6, top_k=20, top_p=0.95, seed=5)
+    ids = tiny.tokenizer.get().encode(PROMPT)
+    control = SerialDecoder()
+    control.prepare(tiny)
+    want = control.decode(ids, 12, sampler=sampler).tokens
+    assert want != control.decode(ids, 12).tokens
+    record = tmp_path / "record.jsonl"
+    for how in (SAMPLED, ("--sampling", "temperature=0.6,top_k=20,top_p=0.95,seed=5")):
+        res = invoke(PROMPT, "--json", "-n", "12", "--model", "tiny", "--decoder", "spec", "--record", str(record),
+                     *how)
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["token_ids"] == want and doc["sampler"] == sampler.to_json()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [line["sampler"] for line in lines] == [sampler.to_json()] * 2
+    out = tmp_path / "audit.json"
+    base = ["tokens", str(record), "--model", "tiny", "--device", "cpu", "--out", str(out)]
+    res = CliRunner().invoke(audit_main, [*base, "--sampling", sampler.describe()])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(audit_main, base)  # the record claims the sampler: greedy is refused
+    assert res.exit_code == 2 and "records the sampler" in res.output
+
+
+def test_preset_with_overrides(tiny):
+    res = invoke(PROMPT, "--json", "-n", "6", "--model", "tiny", "--decoder", "fast-serial",
+                 "--sampling", "qwen-thinking", "--seed", "9", "--top-k", "5")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["sampler"] == {"name": "gumbel-max/v1", "temperature": 0.6, "top_k": 5,
+                                                  "top_p": 0.95, "min_p": 0.0, "seed": 9}
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--temperature", "-1"), "temperature must be"),
+    (("--top-p", "0", "--temperature", "1"), "top_p must be"),
+    (("--sampling", "qwen-nonsense"), "unknown sampler preset"),
+    (("--seed", "-4", "--temperature", "1"), "seed must be"),
+])
+def test_bad_sampling_is_one_line_before_the_load(no_model_load, args, message):
+    res = invoke("x", "--model", "tiny", *args)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and res.stderr.startswith("error: ")
+    assert message in res.stderr
+
+
+def test_a_decoder_that_does_not_sample_is_refused(tiny):
+    res = invoke("x", "--model", "tiny", "--decoder", "spec-naive", "--temperature", "0.7")
+    assert res.exit_code == 2 and res.stderr.startswith("error: ") and len(res.stderr.strip().splitlines()) == 1
+    assert "cannot sample" in res.stderr

@@ -782,3 +782,52 @@ def test_margins_figure_for_stops_alone_and_for_nothing():
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["near-tie (0)", "real (0)",
                                                                            "stop (2): wrong stop, no gap"]
     assert margins_figure(_tokens_doc([None], ULPS)) is None
+
+
+# --------------------------------------------------------------------------- sampled runs
+
+
+def test_sampled_run_reports_its_sampler_and_acceptance_under_it(tmp_path):
+    """A stream recorded under `harness time --sampling`: the summary names the sampler, the
+    acceptance table and figure say which temperature the drafts were accepted at, and the audited
+    exactness is against serial sampling; a greedy run says greedy."""
+    from audit.cli import main as audit_main
+    from harness.cli import main as harness_main
+
+    out = tmp_path / "sampled"
+    res = CliRunner().invoke(harness_main, ["time", "--model", "tiny", "--decoder", "spec", "--decoder-arg", "depth=2",
+                                            "--device", "cpu", "--limit", "2", "-n", "12", "--legs", "1",
+                                            "--sampling", "temperature=0.6,top_k=20,top_p=0.95,seed=3",
+                                            "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(audit_main, ["replay", str(out / "stream.jsonl")])
+    assert res.exit_code == 0, res.output
+    summary = render_run(out)
+    report = (out / "report.md").read_text()
+    assert summary["sampler"]["temperature"] == 0.6 and not summary["sampler"]["greedy"]
+    rows = summary_rows(report)
+    assert rows["Sampling"].startswith("`temperature=0.6,top_k=20,top_p=0.95,seed=3` (gumbel-max/v1)")
+    assert "equal serial sampling (temperature=0.6,top_k=20,top_p=0.95,seed=3)" in rows["Exact"]
+    assert "temperature 0.6" in rows["Mean accepted length"]
+    assert table_head(report, "Draft acceptance")[:2] == ["decoder", "sampler"]
+    (row,) = table_rows(report, "Draft acceptance")
+    assert row[1] == "temperature 0.6"
+    assert "equals the sampler's pick" in report
+
+
+def test_greedy_run_says_greedy(tiny_run):
+    summary = render_run(tiny_run)
+    report = (tiny_run / "report.md").read_text()
+    assert summary["sampler"]["greedy"] and summary_rows(report)["Sampling"] == "greedy (argmax)"
+    assert all(row[1] == "greedy" for row in table_rows(report, "Draft acceptance"))
+
+
+def test_a_header_sampler_that_defines_none_is_one_line(tiny_run):
+    from audit_helpers import write_records
+
+    records = read_records(tiny_run)
+    records[0]["sampler"] = {"name": "gumbel-max/v1", "temperature": -2}
+    write_records(tiny_run / "stream.jsonl", records)  # resealed
+    res = render_cli(tiny_run)
+    assert res.exit_code == 2 and "header sampler" in res.output, res.output
+    assert not (tiny_run / "report.md").exists()

@@ -143,14 +143,58 @@ def test_chat_is_the_serial_greedy_answer_of_the_templated_prompt(server, client
 
 
 def test_what_it_cannot_honour_is_400_and_it_keeps_serving(server, client):
-    with pytest.raises(openai.BadRequestError, match="sampling is not implemented"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=0.7)
+    with pytest.raises(openai.BadRequestError, match="one choice per request"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="no effect at temperature 0"):
+        client.completions.create(model="tiny", prompt=[3, 4], max_tokens=2, top_p=0.5)
+    with pytest.raises(openai.BadRequestError, match="top_p must be in"):
+        client.completions.create(model="tiny", prompt=[3, 4], max_tokens=2, temperature=0.7, top_p=1.5)
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [1, 2', timeout=BOUND,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": LIMIT + 1}, timeout=BOUND)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt=[3, 4], max_tokens=2).choices[0].token_ids
+
+
+SAMPLER = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 7}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sampled_completion_is_serial_sampling_with_that_seed(server, client, control, stream):
+    """temperature, top_p, top_k (extra_body: not an OpenAI field), min_p and seed decode with the
+    seeded sampler: the answer is serial's under it, says which sampler, and repeats with the seed."""
+    from core.sampling import Sampler
+
+    sampler = Sampler(temperature=0.6, top_k=20, top_p=0.95, seed=7)
+    ids = control.encode("def add(a, b):")
+    want = control.generate(ids, 24, sampler=sampler)
+    assert want.token_ids != control.generate(ids, 24).token_ids
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0.6, top_p=0.95, seed=7,
+                                  extra_body={"top_k": 20}, stream=stream)
+    if stream:
+        chunks = list(r)
+        assert chunks[0].sampler == sampler.to_json()
+        assert streamed(chunks) == (want.token_ids, want.text, want.finish_reason)
+    else:
+        assert r.sampler == sampler.to_json()
+        assert r.choices[0].token_ids == want.token_ids and r.choices[0].text == want.text
+    again = client.completions.create(model="tiny", prompt=ids, max_tokens=24, extra_body=SAMPLER)
+    assert again.choices[0].token_ids == want.token_ids
+    other = client.completions.create(model="tiny", prompt=ids, max_tokens=24, extra_body={**SAMPLER, "seed": 8})
+    assert other.choices[0].token_ids == control.generate(ids, 24, sampler=Sampler(0.6, 20, 0.95, 0.0, 8)).token_ids
+
+
+def test_sampled_chat_is_serial_sampling_of_the_templated_prompt(server, client, control):
+    from core.sampling import Sampler
+
+    messages = [{"role": "user", "content": "Name a prime."}]
+    ids = control.encode_chat(messages)
+    want = control.generate(ids, 20, sampler=Sampler(temperature=1.0, min_p=0.05, seed=3))
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=1.0, seed=3,
+                                       extra_body={"min_p": 0.05})
+    assert r.choices[0].token_ids == want.token_ids and r.choices[0].message.content == want.text
+    assert r.sampler["temperature"] == 1.0 and r.sampler["min_p"] == 0.05
 
 
 def test_eight_clients_at_once_each_get_the_exact_answer(server, control):
@@ -200,13 +244,25 @@ def test_each_request_logs_a_stats_line(server, client):
     assert "prompt_tokens=3 new_tokens=5 " in line and " ttft=" in line and " tok/s=" in line, line
 
 
-def test_audit_tokens_passes_on_the_record(server):
-    """Last in this file: every answer above that finished is in the record, and exact."""
+def test_audit_tokens_passes_on_the_record(server, tmp_path):
+    """Last in this file: every answer above that finished is in the record, and exact, each
+    audited with the sampler its line records (greedy where it records none)."""
+    from core.sampling import Sampler
+
     lines = [json.loads(x) for x in server.record.read_text().splitlines()]
     assert len(lines) == health(server)["requests"]["finished"] and len(lines) >= CLIENTS + 4
     assert {"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model"} <= set(lines[0])
-    proc = subprocess.run([sys.executable, "-m", "audit", "tokens", str(server.record), "--model", "tiny",
-                           "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=BOUND,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "verdict: EXACT" in proc.stdout, proc.stdout
+    by_sampler: dict = {}
+    for line in lines:
+        by_sampler.setdefault(json.dumps(line.get("sampler"), sort_keys=True), []).append(line)
+    assert len(by_sampler) >= 4  # greedy and the sampled requests above
+    assert sum(map(len, by_sampler.values())) == len(lines)
+    for k, (key, members) in enumerate(by_sampler.items()):
+        path = tmp_path / f"record-{k}.jsonl"
+        path.write_text("".join(json.dumps(m) + "\n" for m in members))
+        spec = Sampler.from_json(json.loads(key)).describe()
+        proc = subprocess.run([sys.executable, "-m", "audit", "tokens", str(path), "--model", "tiny",
+                               "--device", "cpu", "--sampling", spec], cwd=ROOT, capture_output=True, text=True,
+                              timeout=BOUND, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "verdict: EXACT" in proc.stdout, proc.stdout

@@ -74,6 +74,8 @@ def build_document(o: Outcome) -> dict:
         "model": header["model"].get("name"),
         "max_new_tokens": o.max_new_tokens,
         "legs": o.legs,
+        # what decided the tokens: both workers decoded, and the replay checked, with the header's
+        "sampler": o.run.sampler.to_json(),
         "verdict": o.verdict,
         "unverified_reason": o.unverified_reason,
         # the figures to quote: the retime's own legs, prompts, interval and score

@@ -28,11 +28,12 @@ import json
 
 from scipy import stats
 
+from core.sampling import GREEDY
 from core.schema import ROLES
 
 from audit import checks
 from audit.processes import GpuWatch
-from audit.stream import PromptRun
+from audit.stream import PromptRun, header_sampler
 
 # A claim more than this far above the top of the verified interval fails. In-process and
 # separate-process timings of an honest decoder differ: the harness times both sides in one
@@ -161,7 +162,10 @@ def header_findings(header: dict, workers: dict, device_mismatch: bool) -> list[
         entry = header[role]
         recorded = {"name": entry.get("name"), "config": settled(entry.get("config")),
                     "instrument": entry.get("instrument") is True}
-        for fact in HEADER_FACTS:
+        # the sampler both sides decode with: the header's (greedy when absent)
+        said["sampler"] = ready.get("sampler", GREEDY.to_json())
+        recorded["sampler"] = header_sampler(header).to_json()
+        for fact in (*HEADER_FACTS, "sampler"):
             if fact == "config" and "config" not in entry:
                 continue
             if canonical(said[fact]) == canonical(recorded[fact]):

@@ -19,12 +19,13 @@ import sys
 from dataclasses import dataclass
 
 from core.continues import ContinueCounter
+from core.sampling import GREEDY, Sampler
 from core.schema import ROLES, loads
 
 from audit import cgroups, checks, sandbox
 from audit.pipeline import log
 from audit.processes import ProcessTree, parent_table, tree_control
-from audit.stream import BadInput
+from audit.stream import BadInput, header_sampler
 
 WORKER_MODULE = "harness.worker"
 # seconds a worker may take to exit after its stdin closes, before it is killed
@@ -45,13 +46,15 @@ class Side:
     spec: str  # a registered name, or package.module:attr (a plug-in)
     args: dict  # constructor arguments as recorded (header ``args``)
     raw_args: tuple[str, ...] = ()  # KEY=VALUE from the header's command line, when ``args`` is absent
+    sampler: Sampler = GREEDY  # the header's sampler: both sides decode with it
 
     @property
     def plugin(self) -> bool:
         return ":" in self.spec
 
     def describe(self) -> str:
-        return " ".join([self.spec] + ([json.dumps(self.args)] if self.args else []) + list(self.raw_args))
+        return " ".join([self.spec] + ([json.dumps(self.args)] if self.args else []) + list(self.raw_args)
+                        + ([] if self.sampler.greedy else [f"sampling {self.sampler.describe()}"]))
 
 
 def worker_command(side: Side, model_spec: str, device: str, positions: int | None = None) -> list[str]:
@@ -59,8 +62,10 @@ def worker_command(side: Side, model_spec: str, device: str, positions: int | No
     candidate). Isolated: no PYTHONPATH, no user site; a trusted plug-in keeps PYTHONPATH, where
     it is found. ``positions``: the longest prompt + N it will be sent, reserved before it is ready."""
     sized = ["--positions", str(positions)] if positions is not None else []
+    # the header's sampler object itself, so the worker samples with exactly the recorded numbers
+    sampled = [] if side.sampler.greedy else ["--sampling", json.dumps(side.sampler.to_json(), sort_keys=True)]
     return [sys.executable, "-s" if side.plugin else "-I", "-m", WORKER_MODULE, "--model", model_spec, "--device", device,
-            *sized, "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
+            *sized, *sampled, "--decoder", side.spec, "--decoder-args", json.dumps(side.args),
             *(f"--decoder-arg={a}" for a in side.raw_args)]
 
 
@@ -82,6 +87,7 @@ def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
     ``args``, else from its command line. A plug-in is code the stream names: it runs only with
     ``trust_plugins``."""
     sides = []
+    sampler = header_sampler(header)
     for role in ROLES:
         entry = header[role]
         spec = entry.get("spec") if entry.get("spec") is not None else entry["name"]
@@ -91,7 +97,7 @@ def recorded_sides(header: dict, trust_plugins: bool) -> list[Side]:
         if args is not None and not isinstance(args, dict):
             raise BadInput(f"header {role} args must be an object, not {args!r}")
         raw = command_decoder_args(header.get("command")) if role == "candidate" and args is None else ()
-        side = Side(role, spec, args or {}, raw)
+        side = Side(role, spec, args or {}, raw, sampler)
         if side.plugin and not trust_plugins:
             raise BadInput(f"the {role} is the plug-in {spec!r}: retiming runs its code; pass --trust-plugin "
                            "if you trust it")

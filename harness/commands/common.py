@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from core.errors import DistError, Stopped, UserError, fail
 
-
 def run_cli(fn):
     """Turn user mistakes into one line and a non-zero exit; never a traceback for them. Under
     torchrun every rank meets a user mistake alike, so only rank 0 prints it; a rank's own news

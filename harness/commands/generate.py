@@ -9,6 +9,7 @@ from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
 from harness.generate import GenerateOptions, run_generate  # torch loads only when it runs
+from harness.options import SAMPLING_HELP, parse_sampling
 
 
 @click.command("generate")
@@ -37,16 +38,26 @@ from harness.generate import GenerateOptions, run_generate  # torch loads only w
 @click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Append the prompt and output token ids to FILE as one `audit tokens` line "
                    "(with the decoder, model and N), so `audit tokens FILE --model MODEL` can check it.")
-def generate_cmd(json_out, **options):
-    """Generate a greedy continuation of PROMPT with an exact decoder, streaming the text.
+@click.option("--sampling", default=None, metavar="SPEC", help=SAMPLING_HELP)
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (over --sampling); 0: greedy.")
+@click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=None, help="Keep the smallest set of mass P (1: off).")
+@click.option("--min-p", type=float, default=None, help="Keep tokens of at least P times the top one's probability (0: off).")
+@click.option("--seed", type=int, default=None, help="The sampler's seed (default 0): the same seed, the same tokens.")
+def generate_cmd(json_out, sampling, temperature, top_k, top_p, min_p, seed, **options):
+    """Generate a continuation of PROMPT with an exact decoder, streaming the text: greedy, or
+    sampled with a seeded sampler (--sampling, --temperature, --top-k, --top-p, --min-p, --seed).
 
     The prompt is PROMPT, the text of --prompt-file, token ids from --prompt-ids, or stdin
     (PROMPT "-", or no PROMPT with stdin not a terminal). The text goes to stdout as the decoder emits it; a stats line (tokens,
     seconds, tokens/s, time to first token, mean accepted length, drafted/accepted) goes to stderr
-    at the end. The tokens are exactly serial greedy decoding's: it stops right after the first
-    EOS, or after N tokens.
+    at the end. The tokens are exactly serial decoding's with the same sampler (greedy: the
+    argmax; sampled: the sampler's pick at each token's absolute position): it stops right after
+    the first EOS, or after N tokens. --record and --json record the sampler, for `audit tokens
+    --sampling`.
     """
-    opts = GenerateOptions(json=json_out, **options)
+    overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
+    opts = run_cli(lambda: GenerateOptions(json=json_out, sampler=parse_sampling(sampling, overrides), **options))
     run_cli(lambda: interruptible(opts))
 
 

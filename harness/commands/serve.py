@@ -39,7 +39,8 @@ from harness.serve.options import ServeOptions
                    "static state is sized for it at start, so no request waits for it to grow.")
 @click.option("--record", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Append every finished request's prompt and output token ids to FILE as one JSON line "
-                   "in `audit tokens` shape (a), so that the answers can be audited afterwards. "
+                   "in `audit tokens` shape (a), with the sampler of a sampled one, so that the answers can be "
+                   "audited afterwards (`audit tokens FILE --sampling SPEC`, one sampler per audit). "
                    "Requests whose client went away are not recorded.")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="Model name that /v1/models lists and requests must name. Default: the model's name.")
@@ -47,10 +48,12 @@ def serve_cmd(**options):
     """Serve DECODER on MODEL over OpenAI's HTTP API until interrupted (Ctrl-C).
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events,
-    or not), GET /v1/models, GET /health. Decoding is greedy and exact: every answer is the
-    tokens serial greedy decoding gives, with the token ids in each choice's `token_ids` and the
-    prompt's in `prompt_token_ids`. Anything the server cannot honour (temperature > 0, n > 1,
-    stop sequences, ...) is answered 400. A per-request stats line (prompt and new tokens, time
+    or not), GET /v1/models, GET /health. Decoding is exact: every answer is the tokens serial
+    decoding gives, greedy, or under the seeded sampler a request's temperature, top_k, top_p,
+    min_p and seed define (temperature absent or 0: greedy; seed absent: 0), with the token ids
+    in each choice's `token_ids`, the prompt's in `prompt_token_ids` and the sampler in `sampler`.
+    Anything the server cannot honour (n > 1, stop sequences, penalties, a filter at temperature 0,
+    temperature > 0 with a decoder that does not sample, ...) is answered 400. A per-request stats line (prompt and new tokens, time
     to first token, tokens/s) goes to stderr. Needs the [serve] extra:
     pip install 'qwen35-exact[serve]'.
     """

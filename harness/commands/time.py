@@ -8,7 +8,7 @@ import click
 from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
-from harness.options import TimeOptions
+from harness.options import SAMPLING_HELP, TimeOptions
 from harness.run import run_time
 
 
@@ -44,8 +44,12 @@ from harness.run import run_time
               help="Output directory for stream.jsonl. Default: runs/<decoder>-<timestamp>.")
 @click.option("--force", is_flag=True, help="Replace an existing DIR/stream.jsonl.")
 @click.option("--seed", type=int, default=TimeOptions.seed, show_default=True,
-              help="Seed recorded in the header, set before decoding (greedy decoding itself uses no "
-                   "randomness), and drawing the warm-up prompts.")
+              help="Seed recorded in the header, set before decoding (the decoders draw no torch random "
+                   "numbers; a sampler's seed is --sampling's seed=), and drawing the warm-up prompts.")
+@click.option("--sampling", default=TimeOptions.sampling, metavar="SPEC",
+              help=SAMPLING_HELP + " Both sides decode with it, each token the sampler's pick at its absolute "
+                   "position; the header records it and `audit replay` replays with it. A candidate must "
+                   "sample (sampling = True in its class).")
 @click.option("--report", is_flag=True, help="After writing the stream, also render DIR/report.md and "
               "DIR/figures/ (as `reports render DIR` does).")
 @click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True), default=TimeOptions.dist_timeout,
@@ -54,7 +58,8 @@ from harness.run import run_time
                    "finish) for this long is taken as hung; the run then fails with a message naming the "
                    "rank and its prompt, and writes nothing. Also the process group's timeout.")
 def time_cmd(**options):
-    """Time DECODER against the serial control on every prompt, side by side in one process.
+    """Time DECODER against the serial control on every prompt, side by side in one process,
+    greedy or under one seeded sampler (--sampling).
 
     Per prompt: an untimed warm-up of both on another prompt of the same length, then LEGS timed
     decodes of each in ABBA order, each timed around the whole decode with device
@@ -67,7 +72,7 @@ def time_cmd(**options):
     one stream.jsonl whose header records world_size and each rank's device. If any rank fails
     or hangs, the run fails naming the rank and prompt, and no stream.jsonl is written.
     """
-    opts = TimeOptions(**options)
+    opts = run_cli(lambda: TimeOptions(**options))
     stream_path = run_cli(lambda: run_time(opts))
     if opts.report and stream_path is not None:  # under torchrun, only rank 0 wrote a stream
         render_report(stream_path.parent)

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from core.errors import UserError
 from harness.serve import responses as R
 from harness.serve.schemas import (BadRequest, ChatBody, CompletionBody, Limits, chat_messages, check_supported,
-                                   completion_prompt, include_usage, max_new_tokens)
+                                   completion_prompt, include_usage, max_new_tokens, request_sampler)
 from harness.serve.worker import DecodeWorker, Job
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -36,11 +36,12 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
         yield
         await asyncio.to_thread(worker.stop, 30.0)
 
-    app = FastAPI(title="qwen35-exact", summary="exact greedy decoding behind OpenAI's API",
+    app = FastAPI(title="qwen35-exact", summary="exact decoding, greedy or seeded sampling, behind OpenAI's API",
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     started = int(clock())
     info = {"model": limits.served_model_name, "decoder": decoder.name}
+    samples = getattr(decoder, "sampling", False) is True  # takes a request's temperature > 0
 
     @app.get("/health")
     async def health():
@@ -54,13 +55,15 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         check_supported(body, limits)
-        job = Job(f"cmpl-{uuid.uuid4().hex}", completion_prompt(body, limits), max_new_tokens(body, limits))
+        job = Job(f"cmpl-{uuid.uuid4().hex}", completion_prompt(body, limits), max_new_tokens(body, limits),
+                  sampler=request_sampler(body, samples))
         return await answer(request, job, R.COMPLETION, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_supported(body, limits)
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", None, max_new_tokens(body, limits), messages=chat_messages(body))
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", None, max_new_tokens(body, limits), messages=chat_messages(body),
+                  sampler=request_sampler(body, samples))
         return await answer(request, job, R.CHAT, body)
 
     async def answer(request: Request, job: Job, kind: str, body) -> Response:
@@ -76,7 +79,7 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
             channel.close()
             return failure(first)
         if body.stream:
-            return StreamingResponse(stream(channel, head, first[1], include_usage(body)),
+            return StreamingResponse(stream(channel, head, first[1], include_usage(body), job.sampler),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             while (event := await channel.next()) is not None and event[0] == "tokens":
@@ -85,7 +88,7 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
             channel.close()
         if event is None or event[0] != "done" or event[1] is None or event[1].finish_reason == "cancelled":
             return failure(event)
-        return JSONResponse(R.whole(*head, event[1]))
+        return JSONResponse(R.whole(*head, event[1], job.sampler))
 
     return app
 
@@ -129,11 +132,12 @@ async def wait_disconnected(request: Request) -> None:
         pass
 
 
-async def stream(channel: Channel, head: tuple, prompt_ids: list[int], usage: bool):
-    """The SSE body: a first chunk with the prompt's ids, one chunk per emitted batch, the finish,
-    then ``[DONE]``. Closed early (the client left), it cancels the decode."""
+async def stream(channel: Channel, head: tuple, prompt_ids: list[int], usage: bool, sampler):
+    """The SSE body: a first chunk with the prompt's ids and the sampler, one chunk per emitted
+    batch, the finish, then ``[DONE]``. Closed early (the client left), it cancels the decode."""
     try:
-        yield R.sse({**R.chunk(*head, "", [], role=True), "prompt_token_ids": prompt_ids})
+        yield R.sse({**R.chunk(*head, "", [], role=True), "prompt_token_ids": prompt_ids,
+                     "sampler": sampler.to_json()})
         while (event := await channel.next()) is not None:
             kind, payload = event
             if kind == "tokens":

@@ -1,8 +1,9 @@
 """OpenAI's response shapes: whole bodies, SSE chunks and error bodies, as plain dicts.
 
 Every choice carries the extension field ``token_ids`` (the emitted ids) and every body, or the
-first chunk of a stream, ``prompt_token_ids``, so that an answer can be checked by ``audit tokens``
-or against any greedy reference.
+first chunk of a stream, ``prompt_token_ids`` and ``sampler`` (``core.sampling.Sampler.to_json``:
+what decided the tokens, greedy at temperature 0), so that an answer can be checked by ``audit
+tokens --sampling`` or against any reference.
 """
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ def head(kind: str, rid: str, created: int, model: str, chunk: bool = False) -> 
             "model": model}
 
 
-def whole(kind: str, rid: str, created: int, model: str, gen) -> dict:
-    """A non-streaming answer."""
+def whole(kind: str, rid: str, created: int, model: str, gen, sampler) -> dict:
+    """A non-streaming answer, decoded under ``sampler``."""
     choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None, "token_ids": list(gen.token_ids)}
     if kind == CHAT:
         choice["message"] = {"role": "assistant", "content": gen.text}
     else:
         choice["text"] = gen.text
     return {**head(kind, rid, created, model), "choices": [choice],
-            "usage": usage(len(gen.prompt_ids), len(gen.token_ids)), "prompt_token_ids": list(gen.prompt_ids)}
+            "usage": usage(len(gen.prompt_ids), len(gen.token_ids)), "prompt_token_ids": list(gen.prompt_ids),
+            "sampler": sampler.to_json()}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None, token_ids: list[int],

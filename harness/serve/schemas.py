@@ -1,15 +1,19 @@
 """What a request may ask: OpenAI's request bodies as pydantic models, and the checks that turn
 anything this server cannot honour into a clear 400.
 
-Decoding is greedy and exact, one sequence per request, so every sampling control must be at its
-greedy value (or absent) and every field the server does not know is refused rather than ignored:
-a client never gets an answer computed differently from what it asked for without being told.
+Decoding is exact, one sequence per request: greedy, or under the seeded sampler the request's
+temperature, top_k, top_p, min_p and seed define (``request_sampler``; temperature absent or 0 is
+greedy, the seed defaults to 0). Every other control must be at its neutral value (or absent) and
+every field the server does not know is refused rather than ignored: a client never gets an answer
+computed differently from what it asked for without being told.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
+
+from core.sampling import GREEDY, Sampler, SamplerError
 
 Strict = ConfigDict(strict=True, extra="forbid")
 
@@ -41,7 +45,7 @@ class Message(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields both endpoints share. Sampling fields are accepted only at their greedy value."""
+    """The fields both endpoints share; ``request_sampler`` turns the sampling ones into a sampler."""
 
     model_config = Strict
     model: str | None = None
@@ -50,12 +54,14 @@ class Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float | int | None = None
     top_p: float | int | None = None
+    top_k: int | None = None
+    min_p: float | int | None = None
     n: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | int | None = None
     frequency_penalty: float | int | None = None
     logit_bias: dict[str, float | int] | None = None
-    seed: int | None = None  # greedy decoding draws nothing: any seed gives the same answer
+    seed: int | None = None  # the sampler's seed (default 0); greedy decoding draws nothing
     user: str | None = None
 
 
@@ -87,10 +93,8 @@ class Limits:
     vocab_size: int | None = None
 
 
-# field: (the values that mean "greedy, one sequence, plain text", what to say otherwise)
+# field: (the values that mean "one sequence, plain text, nothing beyond the sampler", what to say otherwise)
 GREEDY_ONLY = {
-    "temperature": ((None, 0), "sampling is not implemented: decoding is greedy (give temperature 0 or leave it out)"),
-    "top_p": ((None, 1), "sampling is not implemented: decoding is greedy (top_p must be 1 or absent)"),
     "n": ((None, 1), "one choice per request (n must be 1 or absent)"),
     "best_of": ((None, 1), "one choice per request (best_of must be 1 or absent)"),
     "presence_penalty": ((None, 0), "penalties change the greedy answer and are not implemented"),
@@ -125,6 +129,30 @@ def check_supported(body: Sampling, limits: Limits) -> None:
     if body.model is not None and body.model != limits.served_model_name:
         raise BadRequest(f"model {body.model!r} is not served here: this server serves "
                          f"{limits.served_model_name!r}", "model")
+
+
+# the sampling fields and the value that switches each off
+NEUTRAL = {"temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0}
+
+
+def request_sampler(body: Sampling, samples: bool) -> Sampler:
+    """The sampler a request asks for (``core.sampling``): temperature (absent: 0, greedy), top_k,
+    top_p, min_p, seed (absent: 0). ``samples``: whether the decoder can sample at all. A filter
+    given at temperature 0 would be silently ignored, so it is refused."""
+    asked = {f: getattr(body, f) for f in NEUTRAL if getattr(body, f) is not None}
+    active = [f for f, v in asked.items() if v != NEUTRAL[f]]
+    if active and not samples:
+        raise BadRequest(f"{active[0]}={asked[active[0]]!r}: sampling is not implemented by this server's decoder "
+                         "(it decodes greedily: leave the sampling fields out or at their neutral values)", active[0])
+    if not asked.get("temperature") and active:
+        raise BadRequest(f"{active[0]}={asked[active[0]]!r} has no effect at temperature 0 (greedy): give a "
+                         "temperature above 0 to sample", active[0])
+    if not asked.get("temperature"):
+        return GREEDY
+    try:
+        return Sampler(**{k: v for k, v in asked.items()}, seed=0 if body.seed is None else body.seed)
+    except SamplerError as exc:
+        raise BadRequest(str(exc), str(exc).split(" ", 1)[0]) from None
 
 
 def max_new_tokens(body: Sampling, limits: Limits) -> int:

@@ -20,6 +20,7 @@ from typing import Callable
 
 from core.errors import UserError
 from core.records import append_record, generation_record
+from core.sampling import GREEDY, Sampler
 
 log = logging.getLogger("harness.serve")
 
@@ -33,6 +34,7 @@ class Job:
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = 0.0  # the worker's clock when submitted
+    sampler: Sampler = GREEDY  # what decides the tokens (the request's temperature, top_k, ...)
 
 
 @dataclass
@@ -124,8 +126,10 @@ class DecodeWorker:
         try:
             ids = self._encode(job)
             job.emit("prompt", ids)
+            # a greedy job passes no sampler (a decoder that does not sample takes none)
+            sampled = {} if job.sampler.greedy else {"sampler": job.sampler}
             gen = self.decoder.generate(ids, job.max_new_tokens, cancel=job.cancel,
-                                        on_token=lambda ids, text: job.emit("tokens", (list(ids), text)))
+                                        on_token=lambda ids, text: job.emit("tokens", (list(ids), text)), **sampled)
         except UserError as exc:  # e.g. a prompt longer than the model takes: the client's to fix
             return self._finish(job, "error", exc, "failed")
         except Exception as exc:  # noqa: BLE001 - a decoder fault fails this request, not the server
@@ -182,9 +186,10 @@ def fmt(x: float | None, spec: str) -> str:
 
 def recorder(path, decoder) -> Callable:
     """--record FILE: each finished answer as one line of ``audit tokens`` shape (a), with the
-    request's max_new_tokens so that the audit knows where serial decoding stops."""
+    request's max_new_tokens so that the audit knows where serial decoding stops, and its sampler
+    when it sampled (``audit tokens --sampling`` must match it)."""
     def write(job: Job, gen) -> None:
         append_record(path, generation_record(job.id, gen.prompt_ids, gen.token_ids, job.max_new_tokens,
-                                              decoder.name, decoder.model.name))
+                                              decoder.name, decoder.model.name, job.sampler))
 
     return write
