@@ -253,15 +253,19 @@ def test_a_client_dropped_mid_stream_cancels_its_decode(served, client):
     assert first.id not in recorded and after_drop.id in recorded
 
 
-def test_a_client_that_leaves_while_queued_is_never_decoded(served, client):
+def test_a_client_that_leaves_while_queued_frees_its_place_and_is_never_decoded(served, client):
     server, fake, worker, _ = served
     before = health(server)["requests"]
     drain(worker)
     fake.gate.clear()
     fake.started.clear()
+    answers = {}
+
+    def ask(prompt):
+        answers[prompt] = client.completions.create(model="fake-model", prompt=[prompt], max_tokens=2)
+
     try:
-        holder = threading.Thread(target=client.completions.create,
-                                  kwargs={"model": "fake-model", "prompt": [31], "max_tokens": 2})
+        holder = threading.Thread(target=ask, args=(31,))
         holder.start()
         worker.accepted.get(timeout=BOUND)
         assert fake.started.wait(BOUND)
@@ -272,13 +276,20 @@ def test_a_client_that_leaves_while_queued_is_never_decoded(served, client):
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             queued = worker.accepted.get(timeout=BOUND)
         assert queued.cancel.wait(BOUND), "the server did not cancel a queued request whose client left"
+        # the queue's one place is free again while [31] still decodes: [33] waits instead of a 429
+        follower = threading.Thread(target=ask, args=(33,))
+        follower.start()
+        worker.accepted.get(timeout=BOUND)
     finally:
         fake.gate.set()
     holder.join(BOUND)
-    client.completions.create(model="fake-model", prompt=[33], max_tokens=2)
-    assert [ids for ids, _ in fake.calls[calls:]] == [[33]]  # [32] was skipped
+    follower.join(BOUND)
+    assert [ids for ids, _ in fake.calls[calls:]] == [[33]]  # [32] was never decoded
+    assert answers[31].choices[0].token_ids == fake.answer([31], 2)
+    assert answers[33].choices[0].token_ids == fake.answer([33], 2)
     after = health(server)["requests"]
     assert after["cancelled"] == before["cancelled"] + 1 and after["finished"] == before["finished"] + 2
+    assert after["rejected"] == before["rejected"]
 
 
 def test_a_failing_decode_is_500_and_the_server_stays_up(served, client):

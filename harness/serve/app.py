@@ -3,7 +3,8 @@ the model list and a health check, over one ``DecodeWorker``.
 
 A request is validated (``schemas``), queued (429 when the queue is full), and then answered from
 the worker's events. Each request watches its connection: when the client goes away, while waiting
-or mid-stream, the request's cancel event is set and the worker stops that decode at its next batch.
+or mid-stream, the request is withdrawn: a waiting one leaves the queue at once (its place is free
+for the next request), a running one stops at the decoder's next batch.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
         return await answer(request, job, R.CHAT, body)
 
     async def answer(request: Request, job: Job, kind: str, body) -> Response:
-        channel = Channel(request, job)
+        channel = Channel(request, job, worker)
         if not worker.submit(job):
             channel.close()
             return JSONResponse(R.error(429, f"the queue is full ({worker.queue.maxsize} requests waiting while "
@@ -96,10 +97,11 @@ def create_app(decoder, limits: Limits, worker: DecodeWorker, clock=time.time) -
 class Channel:
     """The worker's events for one job, as an asyncio queue, raced against the client's disconnect."""
 
-    def __init__(self, request: Request, job: Job):
+    def __init__(self, request: Request, job: Job, worker: DecodeWorker):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.job = job
+        self.worker = worker
         job.emit = lambda kind, payload: threadsafe(loop, self.events.put_nowait, (kind, payload))
         self.gone = asyncio.ensure_future(wait_disconnected(request))
 
@@ -110,12 +112,12 @@ class Channel:
         if get.done():
             return get.result()
         get.cancel()
-        self.job.cancel.set()
+        self.worker.withdraw(self.job)
         return None
 
     def close(self) -> None:
-        """The answer is over (or abandoned): stop watching, and stop a decode still running."""
-        self.job.cancel.set()
+        """The answer is over (or abandoned): stop watching, and withdraw the job if it still waits or runs."""
+        self.worker.withdraw(self.job)
         self.gone.cancel()
 
 

@@ -4,8 +4,9 @@ The GPU runs one decode, so requests wait in a queue of ``queue_size`` places; a
 it full is refused at once (``submit`` returns False, the app answers 429). A job reports through
 ``job.emit(kind, payload)``, called from the worker thread: ("prompt", ids) once its prompt is
 encoded, ("tokens", (ids, text)) per emitted batch, then exactly one of ("done", Generation | None)
-or ("error", exception). A job whose ``cancel`` is set stops at the decoder's next batch; one
-cancelled while it waits is skipped (its "done" payload is None). The worker thread does all the
+or ("error", exception). A withdrawn job (its client left) that still waits leaves the queue at once,
+so its place is free (its "done" payload is None); one already running stops at the decoder's next
+batch. The worker thread does all the
 tokenizer's work (prompts, chat templates, text), so that no two threads use the tokenizer at once.
 Nothing here knows HTTP or asyncio.
 """
@@ -42,7 +43,7 @@ class Counters:
     """What became of the requests (``GET /health`` shows them)."""
 
     finished: int = 0  # answered in full (finish_reason stop or length)
-    cancelled: int = 0  # their client went away: stopped mid-decode or skipped in the queue
+    cancelled: int = 0  # their client went away: stopped mid-decode or withdrawn from the queue
     rejected: int = 0  # the queue was full (429)
     failed: int = 0  # the decoder raised
 
@@ -82,6 +83,19 @@ class DecodeWorker:
     def status(self) -> dict:
         return {"waiting": self.queue.qsize(), "capacity": self.queue.maxsize,
                 "running": self.running.id if self.running else None, "requests": self.counters.to_json()}
+
+    def withdraw(self, job: Job) -> None:
+        """Cancel ``job`` (thread-safe). Still waiting, it leaves the queue now, freeing its place,
+        and is finished as cancelled; already taken by the worker, it stops at the next batch."""
+        with self.queue.mutex:
+            waiting = self.queue.queue
+            at = next((i for i, queued in enumerate(waiting) if queued is job), None)
+            if at is not None:
+                del waiting[at]
+                self.queue.not_full.notify()
+        job.cancel.set()  # after the place is free: whoever sees the cancel may take the place
+        if at is not None:  # else running, finished, or never queued (refused with 429)
+            self._finish(job, "done", None, "cancelled")
 
     def cancel_all(self) -> None:
         """Cancel the running decode and every waiting one (they end at once; thread-safe)."""
