@@ -106,7 +106,7 @@ def sampler_scores(logits: torch.Tensor, sampler: Sampler, position: int) -> tor
     row = logits.reshape(-1)
     z = row.to(torch.float64, copy=True) / sampler.temperature
     noise = gumbel(sampler.seed, position, row.numel(), row.device)
-    return torch.where(allowed_mask(z, sampler), (z + noise) * sampler.temperature, -math.inf)
+    return torch.where(allowed_mask(row, sampler), (z + noise) * sampler.temperature, -math.inf)
 
 
 def pick_and_top(logits: torch.Tensor, sampler: Sampler, position: int) -> tuple[int, list, float | None]:

@@ -24,13 +24,17 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               every answer compared with the recorded serial tokens
   sampling    bench/sampling_bench.py: under Qwen's two presets and greedy, side by side in one process,
               `small`'s fast-serial and spec with and without the coupled draft (acceptance and
-              speed), and synthetic-9b's fast-serial and instrument at alpha 0.6 and 0.85; every
+              speed), and synthetic-9b's fast-serial, spec and instrument at alpha 0.6 and 0.85; every
               token checked against the serial control under the same sampler
   sampling-exact
               on the CPU: for tiny and small, T in 0.3, 0.6, 1.0, with and without top-k/top-p, and
               fast-serial and spec (fixed depth 3, so every round verifies drafts): `harness time
               --sampling` (3 prompts x 32 tokens, 1 leg), then one `audit replay` of every stream of a
               model (each replayed with its header's sampler); a table of exactness, acceptance, ratio
+  sampling-exact-9b
+              the same sweep on the H200 for synthetic-9b, with the instrument at alpha 0.7 (its
+              drafts make every round verify; the random head's would be rejected): 2 prompts x 64
+              tokens, 1 leg per stream, one `audit replay` of the six
   retime-9b   `audit retime` on synthetic-9b streams inside the sandbox: CUDA checked inside it first,
               then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
               `harness time` and retimed on fresh prompts; the table of claimed and verified ratios
@@ -148,29 +152,45 @@ def replay_throughput_steps(out: Path) -> list[Step]:
     return steps
 
 
-# the CPU sampling sweep: every (model, sampler, decoder) streamed under its sampler, then replayed
-SAMPLING_MODELS = ("tiny", "small")
+# the sampling sweeps: every (model, sampler, decoder) streamed under its sampler, then replayed
 SAMPLING_TEMPERATURES = (0.3, 0.6, 1.0)
 SAMPLING_FILTERS = {"plain": "", "filtered": ",top_k=20,top_p=0.95"}
-SAMPLING_DECODERS = {"fast-serial": ("--decoder", "fast-serial"),
-                     "spec": ("--decoder", "spec", "--decoder-arg", "depth=3")}
 
 
-def sampling_exact_steps(out: Path) -> list[Step]:
+@dataclass(frozen=True)
+class SamplingSweep:
+    models: tuple[str, ...]
+    device: str
+    decoders: dict  # tag -> harness time's decoder arguments
+    run_args: tuple[str, ...]  # prompts, tokens, legs
+
+
+SAMPLING_CPU = SamplingSweep(("tiny", "small"), "cpu",
+                             {"fast-serial": ("--decoder", "fast-serial"),
+                              "spec": ("--decoder", "spec", "--decoder-arg", "depth=3")},
+                             ("--limit", "3", "-n", "32", "--legs", "1"))
+# the 9B shape's random head drafts nothing worth keeping: the instrument's drafts make every round verify
+SAMPLING_9B = SamplingSweep(("synthetic-9b",), "cuda",
+                            {"inst-0.7": ("--decoder", "spec-instrument", "--decoder-arg", "alpha=0.7",
+                                          "--decoder-arg", f"shortlist={SHORTLIST_9B}")},
+                            ("--prompts", "random-512", "--limit", "2", "-n", "64", "--legs", "1"))
+
+
+def sampling_exact_steps(out: Path, sweep: SamplingSweep) -> list[Step]:
     steps = []
-    for model in SAMPLING_MODELS:
+    for model in sweep.models:
         for k, t in enumerate(SAMPLING_TEMPERATURES):
             for tag, filters in SAMPLING_FILTERS.items():
                 spec = f"temperature={t:g}{filters},seed={11 + k}"
-                for dec, args in SAMPLING_DECODERS.items():
+                for dec, args in sweep.decoders.items():
                     name = f"{model}-T{t:g}-{tag}-{dec}"
                     steps.append(Step(f"time-{name}", (PY, "-m", "harness", "time", *args, "--model", model,
-                                                       "--device", "cpu", "--limit", "3", "-n", "32", "--legs", "1",
+                                                       "--device", sweep.device, *sweep.run_args,
                                                        "--sampling", spec, "--force", "--out", str(out / name)),
                                       done=f"{out.name}/{name}/stream.jsonl"))
         # exit 1 = findings (a timing warning on a loaded CPU, or an inexact stream): the table says which
-        steps.append(Step(f"audit-{model}", ("sh", "-c", f'{PY} -m audit replay --device cpu "{out}"/{model}-*/stream.jsonl'),
-                          ok=(0, 1)))
+        steps.append(Step(f"audit-{model}", ("sh", "-c", f'{PY} -m audit replay --device {sweep.device} '
+                                                         f'"{out}"/{model}-*/stream.jsonl'), ok=(0, 1)))
     steps.append(Step("table", ("sh", "-c", f'{PY} bench/sampling_exact_table.py "{out}"/*/stream.jsonl')))
     return steps
 
@@ -201,7 +221,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return [Step("sampling", (PY, "bench/sampling_bench.py", "--models", "small,synthetic-9b", "--limit", "3",
                                   "-n", "128", "--reps", "2", "--json", str(out / "sampling.json")))]
     if name == "sampling-exact":
-        return sampling_exact_steps(out / "sampling-exact")
+        return sampling_exact_steps(out / "sampling-exact", SAMPLING_CPU)
+    if name == "sampling-exact-9b":
+        return sampling_exact_steps(out / "sampling-exact-9b", SAMPLING_9B)
     if name == "retime-9b":
         return retime_steps(out / "retime")
     if name == "replay-throughput":
@@ -221,7 +243,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
 
 
 SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "sampling", "sampling-exact",
-        "retime-9b",
+        "sampling-exact-9b", "retime-9b",
         "replay-throughput",
         "cpu-verify", "retime-null", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}

@@ -17,8 +17,9 @@ Decoders (``--configs`` picks among them; the default depends on the model):
   spec            adaptive depth, coupled drafts (the head proposes with the target's noise)
   spec-uncoupled  the same with drafts by the head's plain argmax (``coupled=false``)
   spec-dN[-uncoupled]  spec at the fixed depth N (acceptance at a depth the policy does not choose)
-  inst-A          spec-instrument at alpha A (synthetic-9b: with bench/synthetic9b-shortlist-32k.json)
-  small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, inst-0.6, inst-0.85.
+  inst-A          spec-instrument at alpha A
+  (spec and the instrument on synthetic-9b draft over bench/synthetic9b-shortlist-32k.json)
+  small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, spec, inst-0.6, inst-0.85.
 Samplers (``;`` between them): ``greedy``, a preset, or any ``core.sampling`` description such as
 ``temperature=0.6,top_p=0.95``; prompt i samples with seed ``--seed + i`` (a description's own
 seed is replaced). Prompts: small stdlib-heldout, others random-512.
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 SHORTLIST_9B = str(ROOT / "bench" / "synthetic9b-shortlist-32k.json")
 SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?")
 DEFAULT_CONFIGS = {"small": ["fast-serial", "spec", "spec-uncoupled"],
-                   "synthetic-9b": ["fast-serial", "inst-0.6", "inst-0.85"]}
+                   "synthetic-9b": ["fast-serial", "spec", "inst-0.6", "inst-0.85"]}
 PROMPTS = {"small": "stdlib-heldout", "tiny": "dev"}
 
 
@@ -64,6 +65,8 @@ def decoder_for(config: str, model_name: str):
         raise SystemExit(f"error: unknown configuration {config!r}")
     depth, uncoupled = match.groups()
     kwargs = {"coupled": not uncoupled, **({"depth": int(depth)} if depth else {})}
+    if model_name == "synthetic-9b":
+        kwargs["shortlist"] = SHORTLIST_9B
     return get_decoder("spec", **kwargs)
 
 

@@ -13,11 +13,18 @@ sample from the filtered softmax (tests/test_sampling.py checks it with a chi-sq
 because the noise is a function of the position alone, a speculative decoder that reaches the same
 logits at the same position emits the same token: "exact" keeps its meaning under sampling.
 
+The filters work on the candidates, not the vocabulary: tokens are ranked by their logit (as a
+float32 value, exact for bf16, fp16 and fp32 logits; equal logits by the smaller id) through unique
+int64 keys, so the ranking is integer arithmetic that no kernel or batch can reorder. top-k takes
+the first k; top-p and min-p then run on those k values in rank order, and the noise is computed at
+those k ids only. A pick thus costs one pass over the vocabulary (the keys and a top-k) and a few
+ops on k values; only ``top_k = 0`` with ``top_p < 1`` sorts the vocabulary.
+
 ``T = 0`` is greedy decoding, ``argmax(logits)``, bit for bit the control's unsampled token.
 
-Every function here works on ONE row of logits (a 1-D tensor). A row is copied into its own
-float64 tensor before any reduction, so a verify window's row, the control's ``[1, V]`` logits and
-a lone step's row go through the same kernels on the same shapes.
+Every function here works on ONE row of logits (a 1-D tensor), each in its own call, so a verify
+window's row, the control's ``[1, V]`` logits and a lone step's row go through the same kernels on
+the same shapes.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-NAME = "gumbel-max/v1"
+NAME = "gumbel-max/v2"
+ID_BITS = 20  # a ranking key holds the token id in its low bits: vocabularies up to 2**20
 _M32 = 0xFFFFFFFF
 
 # Qwen's recommended settings (Qwen3 model cards): thinking mode, and everything else
@@ -127,10 +135,7 @@ class Sampler:
         row = logits.reshape(-1)
         if self.greedy:
             return row.argmax(-1)
-        z = row.to(torch.float64, copy=True) / self.temperature
-        allowed = allowed_mask(z, self)
-        noise = gumbel(self.seed, position, row.numel(), row.device)
-        return torch.where(allowed, z + noise, -math.inf).argmax(-1)
+        return pick_from(row, self, self.seed, position)
 
     def pick_rows(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
         """One token per row of ``[R, V]`` logits, row r at position ``first_position + r``:
@@ -184,43 +189,80 @@ def hash_bits(seed: int, position: int, vocab: int, device=None) -> torch.Tensor
 
 def gumbel(seed: int, position: int, vocab: int, device=None) -> torch.Tensor:
     """Standard Gumbel noise ``G(seed, position, v)`` for every v, float64 ``[vocab]``."""
-    u = (hash_bits(seed, position, vocab, device).to(torch.float64) + 0.5) * 2.0 ** -32
-    return -torch.log(-torch.log(u))
+    return noise_at(seed, position, torch.arange(vocab, dtype=torch.int64, device=device))
 
 
 GREEDY = Sampler()
 
 
-def allowed_mask(z: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-    """Which tokens top-k, top-p and min-p keep, from one float64 row ``z = logits / T``.
+def ranked(row: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest logits of ``row``, largest first, equal logits by the smaller
+    id: int64 ``[k]``. Each token's key is its float32 logit's bits made order-preserving as an
+    integer, shifted up, with ``2**ID_BITS - 1 - id`` below; the keys are unique, so a top-k (or a
+    sort, for k = V) of them has one answer on every device."""
+    vocab = row.numel()
+    if vocab > 1 << ID_BITS:
+        raise ValueError(f"a vocabulary of {vocab} tokens is more than the sampler ranks (2**{ID_BITS})")
+    bits = (row.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ranks as +0.0
+    order = torch.where(bits >= 0, bits + (1 << 31), -1 - bits)  # IEEE sign-magnitude -> increasing integers
+    low = (1 << ID_BITS) - 1
+    keys = (order << ID_BITS) | (low - torch.arange(vocab, dtype=torch.int64, device=row.device))
+    top = torch.topk(keys, k).values if k < vocab else torch.sort(keys, descending=True).values
+    return low - (top & low)
 
-    top-k keeps the k largest (the smallest indices among equal values at the boundary); top-p
-    keeps, of the survivors' renormalized softmax sorted high to low (stable), each token whose
-    preceding mass is below p, so the token that crosses p is kept; min-p keeps the survivors
-    whose probability is at least min_p times the largest. The largest logit is always kept."""
-    vocab = z.numel()
-    allowed = torch.ones(vocab, dtype=torch.bool, device=z.device)
-    if 0 < sampler.top_k < vocab:
-        kth = torch.topk(z, sampler.top_k).values[-1]
-        above = z > kth
-        tied = z == kth
-        room = sampler.top_k - above.sum()
-        allowed = above | (tied & (torch.cumsum(tied.to(torch.int64), 0) <= room))
-    if sampler.top_p < 1:
-        masked = torch.where(allowed, z, -math.inf)
-        probs = torch.softmax(masked, 0)
-        order = torch.sort(masked, descending=True, stable=True).indices
-        sorted_probs = probs[order]
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        keep_sorted = before < sampler.top_p
-        keep_sorted[:1].fill_(True)  # a fill: assigning a Python scalar copies it from the host (a sync, uncapturable)
-        keep = torch.zeros_like(allowed)
-        keep[order] = keep_sorted
-        allowed = allowed & keep
-    if sampler.min_p > 0:
+
+def candidates(row: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens a pick chooses among: (ids int64, z = logits[ids] / T float64, kept bool), each
+    ``[k]``. With top-k on, the k best in rank order (``ranked``); top-p keeps, of their
+    renormalized softmax in that order, each token whose preceding mass is below p (so the token
+    that crosses p is kept, and always the first); min-p keeps those whose probability is at least
+    min_p times the largest. Without top-k, top-p ranks the whole vocabulary; with neither, the
+    candidates are the vocabulary in id order."""
+    vocab = row.numel()
+    k = sampler.top_k if 0 < sampler.top_k < vocab else vocab
+    if k < vocab or sampler.top_p < 1:
+        ids = ranked(row, k)
+        z = row[ids].to(torch.float64) / sampler.temperature
+        top = z[:1]
+    else:
+        ids = torch.arange(vocab, dtype=torch.int64, device=row.device)
+        z = row.to(torch.float64, copy=True) / sampler.temperature
         top = z.max()
-        allowed = allowed & (torch.exp(z - top) >= sampler.min_p)
-    return allowed
+    kept = torch.ones(k, dtype=torch.bool, device=row.device)
+    if sampler.top_p < 1:
+        probs = torch.softmax(z, 0)
+        kept = torch.cumsum(probs, 0) - probs < sampler.top_p
+        kept[:1].fill_(True)  # a fill: assigning a Python scalar copies it from the host (a sync, uncapturable)
+    if sampler.min_p > 0:
+        kept = kept & (torch.exp(z - top) >= sampler.min_p)
+    return ids, z, kept
+
+
+def noise_at(seed, position, ids: torch.Tensor) -> torch.Tensor:
+    """``G(seed, position, v)`` at int64 token ids ``v`` (float64, shaped like ``ids``). ``seed``
+    and ``position`` are ints or int64 tensors (a seed above 2**63 - 1 as its two's-complement
+    int64): the hash is integer arithmetic, so either gives the same bits."""
+    k1, k2 = position_key(seed, position)
+    h = _fmix32((_fmix32(ids ^ k1) + k2) & _M32)
+    u = (h.to(torch.float64) + 0.5) * 2.0 ** -32
+    return -torch.log(-torch.log(u))
+
+
+def pick_from(row: torch.Tensor, sampler: Sampler, seed, position) -> torch.Tensor:
+    """The sampled token of one row ``[V]`` at ``position``: ``sampler``'s filters, the noise of
+    ``seed`` (ints or int64 tensors, as ``noise_at``). 0-d int64; no host sync, so a CUDA graph
+    can capture it with the seed and position in device tensors."""
+    ids, z, kept = candidates(row, sampler)
+    score = torch.where(kept, z + noise_at(seed, position, ids), -math.inf)
+    best = score.max()
+    return torch.where(score == best, ids, row.numel()).min()  # ties: the smallest id
+
+
+def allowed_mask(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+    """Which tokens of one logits row the filters keep (``candidates``), as a ``[V]`` bool mask."""
+    row = logits.reshape(-1)
+    ids, _, kept = candidates(row, sampler)
+    return torch.zeros(row.numel(), dtype=torch.bool, device=row.device).index_put_((ids,), kept)
 
 
 def probabilities(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
@@ -232,4 +274,4 @@ def probabilities(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
         out[row.argmax()] = 1.0
         return out
     z = row.to(torch.float64, copy=True) / sampler.temperature
-    return torch.softmax(torch.where(allowed_mask(z, sampler), z, -math.inf), 0)
+    return torch.softmax(torch.where(allowed_mask(row, sampler), z, -math.inf), 0)

@@ -17,8 +17,9 @@ Shortlist: the draft logits may be computed over a fixed, request-independent se
 verification always uses the full vocabulary, so exactness is untouched.
 
 Coupled drafting (``coupled=True``, bound per decode with ``couple(sampler)``): under a sampler
-each draft at position q is the argmax over the draft vocabulary of ``logits / T + G(seed, q, v)``
-with the target's own noise (decoders/sampled.py), not the plain argmax. On the GPU it has its own
+each draft at position q is the argmax, over the draft's DRAFT_CANDIDATES largest logits, of
+``logits / T + G(seed, q, v)`` with the target's own noise (decoders/sampled.py), not the plain
+argmax. On the GPU it has its own
 graph pairs, captured at construction (nothing is live yet), reading T and the seed from device
 tensors; greedy drafting runs the plain graphs, unchanged.
 """
@@ -33,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import UserError
-from core.sampling import allowed_mask
+from core.sampling import candidates, noise_at
 from decoders.runtime import layers as L
 from decoders.runtime.graphs import capture_segments, run_segments
 from decoders.runtime.sizing import note_build
-from decoders.sampled import device_seed, gumbel_at
+from decoders.sampled import device_seed
 
 
 class Unchecked:
@@ -303,13 +304,18 @@ class MTPDrafter:
         return self.shortlist[idx] if self.shortlist is not None else idx
 
     def coupled_token(self, out_row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """The coupled draft for one head output row [1,1,H] at ``position`` ([1] int64): the
-        argmax over the draft vocabulary of logits / T + G(seed, position, v) -> [1,1] token id."""
-        z = F.linear(out_row, self.head_weight).reshape(-1).to(torch.float64) / self.temperature
-        score = z + gumbel_at(self.seed, position, self.ids)
-        if self.filter is not None:
-            score = torch.where(allowed_mask(z, self.filter), score, -math.inf)
-        return self.ids[score.argmax(-1, keepdim=True)].view(1, 1)
+        """The coupled draft for one head output row [1,1,H] at ``position`` ([1] int64): among
+        the draft's DRAFT_CANDIDATES largest logits, the argmax of logits / T + G(seed, position,
+        v) -> [1,1] token id. The target picks among its own top-k (20 in Qwen's presets), so a
+        draft outside the head's best few would rarely be kept; the noise is hashed at those few ids."""
+        logits = F.linear(out_row, self.head_weight).reshape(-1)
+        top = torch.topk(logits, min(DRAFT_CANDIDATES, logits.numel()))
+        ids = self.ids[top.indices]
+        score = top.values.to(torch.float64) / self.temperature + noise_at(self.seed, position, ids)
+        if self.filter is not None:  # the filter over the candidates alone: a proposal, not a pick
+            ranks, _, kept = candidates(top.values, self.filter)
+            score = torch.where(torch.zeros_like(kept).index_put_((ranks,), kept), score, -math.inf)
+        return ids[score.argmax(-1, keepdim=True)].view(1, 1)
 
     @torch.inference_mode()
     def prefill(self, hidden: torch.Tensor, prompt_ids: list[int]) -> None:
@@ -347,6 +353,7 @@ class MTPDrafter:
         return drafts
 
 
+DRAFT_CANDIDATES = 64  # a coupled draft chooses among the head's this many largest logits
 PREFILL_ROWS = 64  # an eager prompt prefill's row count is a multiple of this (see MTPDrafter.prefill)
 # a prompt's head rows are made this many at a time: one call's mask and, where the attention kernel
 # materialises them, its scores grow with rows x length (16 heads x 32k x 32k in bf16 is 32 GB)

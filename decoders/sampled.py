@@ -2,30 +2,27 @@
 
 Target. Every emitted token is ``core.sampling``'s pick at its absolute position from a logits row
 bit-identical to the control's, each row in its own call. On a CPU a row's pick IS
-``sampler.pick_tensor``. On a GPU it is the same ops (``pick_at``: the same copy to float64,
-``allowed_mask`` and ``gumbel``) captured in a CUDA graph per (window program, row, sampler
-settings), which reads the seed and the row's position from device tensors: the hash is integer
-arithmetic, exact whether an operand is a Python int or a tensor, so the noise has the same bits,
-and a pick costs one launch instead of ~80. tests/test_sampled.py and tests/test_cuda.py check
-both against ``pick_tensor``.
+``sampler.pick_tensor``. On a GPU it is the same function (``pick_at``: ``core.sampling.pick_from``)
+captured in a CUDA graph per (window program, row, sampler settings), which reads the seed and the
+row's position from device tensors: the hash is integer arithmetic, exact whether an operand is a
+Python int or a tensor, so the noise has the same bits, and a pick costs one launch instead of ~40.
+tests/test_sampled.py and tests/test_cuda.py check both against ``pick_tensor``.
 
-Coupled draft. The MTP head proposes the token at position q as the argmax over its vocabulary
-(the shortlist where one is used; ``v`` the full-vocabulary id) of
-``draft_logits[v] / T + G(seed, q, v)``, the target's own noise at that position: where the
+Coupled draft. The MTP head proposes the token at position q as the argmax, over its
+DRAFT_CANDIDATES largest logits (of the shortlist where one is used; ``v`` the full-vocabulary
+id), of ``draft_logits[v] / T + G(seed, q, v)``, the target's own noise at that position: where the
 head's distribution is close to the target's, the two argmaxes agree far more often than the
 head's plain argmax agrees with a sample. No filter is applied to the draft: a draft is only a
 proposal, kept only when it equals the target's pick, and on ``small`` the draft's own filter added
-0-5% tokens per round (docs/decoders.md) for a sort per draft step. ``coupled=False`` drafts by
-plain argmax.
+0-5% tokens per round (docs/decoders.md). ``coupled=False`` drafts by plain argmax.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import torch
 
-from core.sampling import _M32, Sampler, _fmix32, allowed_mask, gumbel, position_key
+from core.sampling import Sampler, pick_from
 from decoders.runtime.graphs import capture_segments
 
 
@@ -38,20 +35,8 @@ def device_seed(seed: int) -> int:
 def pick_at(sampler: Sampler, row: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """``sampler.pick_tensor(row, position)`` for a non-greedy sampler, with the seed
     (``device_seed``) and the position as int64 device tensors, so a CUDA graph can replay it for
-    any seed and position. The same ops in the same order on the same shapes."""
-    z = row.reshape(-1).to(torch.float64, copy=True) / sampler.temperature
-    allowed = allowed_mask(z, sampler)
-    noise = gumbel(seed, position, z.numel(), z.device)
-    return torch.where(allowed, z + noise, -math.inf).argmax(-1)
-
-
-def gumbel_at(seed, position, ids: torch.Tensor) -> torch.Tensor:
-    """``core.sampling.gumbel(seed, position, V)[ids]`` for int64 token ids, computed at those ids
-    only (the coupled draft's noise over a shortlist). float64, shaped like ``ids``."""
-    k1, k2 = position_key(seed, position)
-    h = _fmix32((_fmix32(ids ^ k1) + k2) & _M32)
-    u = (h.to(torch.float64) + 0.5) * 2.0 ** -32
-    return -torch.log(-torch.log(u))
+    any seed and position: ``core.sampling.pick_from`` itself, the same ops on the same shapes."""
+    return pick_from(row.reshape(-1), sampler, seed, position)
 
 
 def settings(sampler: Sampler) -> tuple:

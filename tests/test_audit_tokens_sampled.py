@@ -108,7 +108,7 @@ def test_a_bad_recorded_sampler_is_one_error_line(outputs, tmp_path):
     ids, toks = outputs[0]
     path = tmp_path / "gen.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": ids, "output_token_ids": toks,
-                                "sampler": {"name": "gumbel-max/v1", "temperature": "hot"}}) + "\n")
+                                "sampler": {"name": "gumbel-max/v2", "temperature": "hot"}}) + "\n")
     res, doc = audit(path)
     assert res.exit_code == 2 and doc is None
     assert "'sampler'" in res.output

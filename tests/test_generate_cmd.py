@@ -222,7 +222,7 @@ def test_preset_with_overrides(tiny):
     res = invoke(PROMPT, "--json", "-n", "6", "--model", "tiny", "--decoder", "fast-serial",
                  "--sampling", "qwen-thinking", "--seed", "9", "--top-k", "5")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["sampler"] == {"name": "gumbel-max/v1", "temperature": 0.6, "top_k": 5,
+    assert json.loads(res.stdout)["sampler"] == {"name": "gumbel-max/v2", "temperature": 0.6, "top_k": 5,
                                                   "top_p": 0.95, "min_p": 0.0, "seed": 9}
 
 

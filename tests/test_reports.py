@@ -806,7 +806,7 @@ def test_sampled_run_reports_its_sampler_and_acceptance_under_it(tmp_path):
     report = (out / "report.md").read_text()
     assert summary["sampler"]["temperature"] == 0.6 and not summary["sampler"]["greedy"]
     rows = summary_rows(report)
-    assert rows["Sampling"].startswith("`temperature=0.6,top_k=20,top_p=0.95,seed=3` (gumbel-max/v1)")
+    assert rows["Sampling"].startswith("`temperature=0.6,top_k=20,top_p=0.95,seed=3` (gumbel-max/v2)")
     assert "equal serial sampling (temperature=0.6,top_k=20,top_p=0.95,seed=3)" in rows["Exact"]
     assert "temperature 0.6" in rows["Mean accepted length"]
     assert table_head(report, "Draft acceptance")[:2] == ["decoder", "sampler"]
@@ -826,7 +826,7 @@ def test_a_header_sampler_that_defines_none_is_one_line(tiny_run):
     from audit_helpers import write_records
 
     records = read_records(tiny_run)
-    records[0]["sampler"] = {"name": "gumbel-max/v1", "temperature": -2}
+    records[0]["sampler"] = {"name": "gumbel-max/v2", "temperature": -2}
     write_records(tiny_run / "stream.jsonl", records)  # resealed
     res = render_cli(tiny_run)
     assert res.exit_code == 2 and "header sampler" in res.output, res.output

@@ -67,7 +67,7 @@ def test_the_worker_decodes_with_its_sampler(tiny):
 
 @pytest.mark.parametrize("args,says", [
     (("--decoder", "fast-serial", "--sampling", "temperature=-1"), "--sampling"),
-    (("--decoder", "fast-serial", "--sampling", '{"name": "gumbel-max/v1", "temperature": "x"}'), "--sampling"),
+    (("--decoder", "fast-serial", "--sampling", '{"name": "gumbel-max/v2", "temperature": "x"}'), "--sampling"),
     (("--decoder", "spec-naive", "--sampling", SPEC), "does not sample"),
 ])
 def test_a_sampler_the_worker_cannot_honour_is_an_error_line(args, says):

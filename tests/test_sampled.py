@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import bad_decoders
-from core.sampling import Sampler, gumbel
-from decoders.drafter import MTPDrafter
+from core.sampling import Sampler, gumbel, noise_at
+from decoders.drafter import DRAFT_CANDIDATES, MTPDrafter
 from decoders.fast_serial import FastSerialDecoder
 from decoders.policy import Costs
 from decoders.runtime.runtime import ExactRuntime
-from decoders.sampled import TargetPicks, device_seed, gumbel_at, pick_at
+from decoders.sampled import TargetPicks, device_seed, pick_at
 from decoders.serial import SerialDecoder
 from decoders.spec import InstrumentedSpecDecoder, SpecDecoder
 from fixtures.prompts import DEV_PROMPTS
@@ -204,8 +204,10 @@ def test_coupled_draft_is_the_argmax_with_the_targets_noise(tiny):
         drafter.couple(s)
         for q in (3, 17, 250):
             row = torch.randn(1, 1, tiny.text_config.hidden_size).to(drafter.head_weight.dtype)
-            z = F.linear(row, drafter.head_weight).reshape(-1).to(torch.float64) / 0.7
-            score = z + gumbel(s.seed, q, tiny.vocab_size)[vocab]
+            logits = F.linear(row, drafter.head_weight).reshape(-1)
+            score = logits.to(torch.float64) / 0.7 + gumbel(s.seed, q, tiny.vocab_size)[vocab]
+            # only the head's DRAFT_CANDIDATES largest logits compete
+            score[logits < torch.topk(logits, DRAFT_CANDIDATES).values[-1]] = -float("inf")
             assert int(drafter.coupled_token(row, torch.tensor([q]))) == int(vocab[score.argmax()])
         drafter.couple(None)
         assert not drafter.coupled
@@ -230,8 +232,8 @@ def test_device_seed_and_noise_at_ids():
     for seed in (0, 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 0xDEADBEEFCAFEF00D):
         t = torch.tensor(device_seed(seed))
         assert torch.equal(gumbel(t, torch.tensor(41), 512), gumbel(seed, 41, 512))
-        assert torch.equal(gumbel_at(seed, 41, ids), gumbel(seed, 41, 512)[ids])
-        assert torch.equal(gumbel_at(t, torch.tensor([41]), ids), gumbel(seed, 41, 512)[ids])
+        assert torch.equal(noise_at(seed, 41, ids), gumbel(seed, 41, 512)[ids])
+        assert torch.equal(noise_at(t, torch.tensor([41]), ids), gumbel(seed, 41, 512)[ids])
 
 
 @torch.inference_mode()

@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from core.sampling import GREEDY, NAME, PRESETS, Sampler, SamplerError, allowed_mask, gumbel, hash_bits, probabilities
+from core.sampling import (GREEDY, NAME, PRESETS, Sampler, SamplerError, allowed_mask, gumbel, hash_bits, probabilities,
+                           ranked)
 
 
 def test_hash_is_exact_32_bit_and_matches_python_integers():
@@ -80,6 +81,59 @@ def test_filters():
     assert allowed_mask(z, Sampler(temperature=1, top_p=1e-6)).tolist() == [True] + [False] * 5
     mask = allowed_mask(z, Sampler(temperature=1, min_p=math.exp(-1.5)))
     assert mask.tolist() == [True, False, True, True, False, False]
+
+
+def reference_pick(logits: torch.Tensor, sampler: Sampler, position: int) -> int:
+    """The module docstring's definition over the whole vocabulary in plain Python: rank by the
+    float32 logit (equal ones by the smaller id), top-k, top-p and min-p in rank order, then the
+    argmax of z + G over the kept tokens, ties to the smallest id."""
+    vocab = logits.numel()
+    rank_of = [float(x) for x in logits.float()]
+    order = sorted(range(vocab), key=lambda v: (-rank_of[v], v))
+    k = sampler.top_k if 0 < sampler.top_k < vocab else vocab
+    cand = order[:k]
+    z = {v: float(logits[v].double()) / sampler.temperature for v in cand}
+    kept = list(cand)
+    if sampler.top_p < 1:
+        top = z[cand[0]]
+        mass = [math.exp(z[v] - top) for v in cand]
+        total, before, kept = sum(mass), 0.0, []
+        for v, m in zip(cand, mass):
+            if not kept or before < sampler.top_p:
+                kept.append(v)
+            before += m / total
+    if sampler.min_p > 0:
+        top = z[cand[0]]
+        kept = [v for v in kept if math.exp(z[v] - top) >= sampler.min_p]
+    noise = gumbel(sampler.seed, position, vocab).tolist()
+    return max(sorted(kept), key=lambda v: z[v] + noise[v])  # max keeps the first (smallest id) of equals
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_picks_follow_the_definition_over_the_whole_vocabulary(dtype):
+    """The candidate-based pick (a top-k of unique keys, filters on k values, noise at k ids) is
+    the definition written over the whole vocabulary, ties and signed zeros included."""
+    torch.manual_seed(5)
+    samplers = [Sampler(temperature=0.6, top_k=20, top_p=0.95), Sampler(temperature=1.0, top_p=0.9),
+                Sampler(temperature=0.3), Sampler(temperature=0.7, top_k=5, min_p=0.1),
+                Sampler(temperature=1.0, top_k=3)]
+    for trial in range(30):
+        row = (torch.randn(300) * 2).to(dtype)
+        row[::7] = row[3]  # many equal logits, some at the top-k boundary
+        row[10], row[11] = -0.0, 0.0
+        if trial % 3 == 0:
+            row[50] = row.max()  # a tie at the top
+        for s in samplers:
+            s = Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=trial)
+            assert s.pick(row, 100 + trial) == reference_pick(row, s, 100 + trial), (trial, s)
+
+
+def test_ranking_is_by_value_then_id():
+    row = torch.tensor([1.0, 3.0, -0.0, 3.0, 0.0, -2.0, float("-inf"), 2.0])
+    assert ranked(row, 8).tolist() == [1, 3, 7, 0, 2, 4, 5, 6]
+    assert ranked(row, 3).tolist() == [1, 3, 7]
+    with pytest.raises(ValueError, match="2\\*\\*20"):
+        ranked(torch.zeros((1 << 20) + 1), 4)
 
 
 def test_rows_equal_lone_picks():

@@ -110,9 +110,10 @@ def sampled_by_hand(model, prompt_ids: list[int], max_new_tokens: int, sampler) 
     eos = set(model.eos_token_ids)
     with torch.inference_mode():
         while len(ids) - len(prompt_ids) < max_new_tokens:
-            logits = model.backbone(input_ids=torch.tensor([ids])).logits[0, -1].double()
-            z = logits / sampler.temperature
-            score = torch.where(allowed_mask(z, sampler), z + gumbel(sampler.seed, len(ids), z.numel()), -float("inf"))
+            logits = model.backbone(input_ids=torch.tensor([ids])).logits[0, -1]
+            z = logits.double() / sampler.temperature
+            score = torch.where(allowed_mask(logits, sampler), z + gumbel(sampler.seed, len(ids), z.numel()),
+                                -float("inf"))
             ids.append(int(score.argmax()))
             if ids[-1] in eos:
                 break
