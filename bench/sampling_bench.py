@@ -18,6 +18,8 @@ Decoders (``--configs`` picks among them; the default depends on the model):
   spec-uncoupled  the same with drafts by the head's plain argmax (``coupled=false``)
   spec-dN[-uncoupled]  spec at the fixed depth N (acceptance at a depth the policy does not choose)
   inst-A          spec-instrument at alpha A
+  ...-eager       (after spec or inst) every row of a window picked, then read at once
+                  (``lazy_rows=false``) instead of row by row up to the first rejection
   (spec and the instrument on synthetic-9b draft over bench/synthetic9b-shortlist-32k.json)
   small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, spec, inst-0.6, inst-0.85.
 Samplers (``;`` between them): ``greedy``, a preset, or any ``core.sampling`` description such as
@@ -44,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHORTLIST_9B = str(ROOT / "bench" / "synthetic9b-shortlist-32k.json")
-SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?")
+SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?(-eager)?")
+INSTRUMENT = re.compile(r"inst-([0-9.]+)(-eager)?")
 DEFAULT_CONFIGS = {"small": ["fast-serial", "spec", "spec-uncoupled"],
                    "synthetic-9b": ["fast-serial", "spec", "inst-0.6", "inst-0.85"]}
 PROMPTS = {"small": "stdlib-heldout", "tiny": "dev"}
@@ -55,16 +58,17 @@ def decoder_for(config: str, model_name: str):
 
     if config == "fast-serial":
         return get_decoder("fast-serial")
-    if config.startswith("inst-"):
-        kwargs = {"alpha": float(config[5:])}
+    match = INSTRUMENT.fullmatch(config)
+    if match is not None:
+        kwargs = {"alpha": float(match[1]), "lazy_rows": not match[2]}
         if model_name == "synthetic-9b":
             kwargs["shortlist"] = SHORTLIST_9B
         return get_decoder("spec-instrument", **kwargs)
     match = SPEC.fullmatch(config)
     if match is None:
         raise SystemExit(f"error: unknown configuration {config!r}")
-    depth, uncoupled = match.groups()
-    kwargs = {"coupled": not uncoupled, **({"depth": int(depth)} if depth else {})}
+    depth, uncoupled, eager = match.groups()
+    kwargs = {"coupled": not uncoupled, "lazy_rows": not eager, **({"depth": int(depth)} if depth else {})}
     if model_name == "synthetic-9b":
         kwargs["shortlist"] = SHORTLIST_9B
     return get_decoder("spec", **kwargs)
