@@ -158,8 +158,11 @@ def _is_real(x) -> bool:
 
 def _mul32(x, c: int):
     """``x * c mod 2**32`` for 32-bit ``x`` (an int or int64 tensor) and constant ``c``, with no
-    intermediate above 2**49: the constant is split in 16-bit halves, so nothing overflows int64."""
+    intermediate above 2**49: the constant is split in 16-bit halves, so nothing overflows int64
+    (on a tensor, ``x * lo`` and the add are one kernel)."""
     lo, hi = c & 0xFFFF, c >> 16
+    if isinstance(x, torch.Tensor):
+        return torch.add(((x * hi) & 0xFFFF) << 16, x, alpha=lo) & _M32
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
 
 
@@ -172,13 +175,23 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def position_key(seed: int, position: int) -> tuple[int, int]:
-    """The two 32-bit keys of (seed, position), computed on the host in exact integers."""
+def seed_key(seed):
+    """The 32-bit key of a seed (an int, or an int64 tensor holding its bits), the half of
+    ``position_key`` that does not depend on the position."""
     k = _fmix32((seed & _M32) ^ 0x9E3779B9)
-    k = _fmix32(k ^ ((seed >> 32) & _M32))
-    k1 = _fmix32(k ^ (position & _M32))
+    return _fmix32(k ^ ((seed >> 32) & _M32))
+
+
+def position_keys(skey, position):
+    """The two 32-bit keys of (seed, position) from the seed's ``seed_key``."""
+    k1 = _fmix32(skey ^ (position & _M32))
     k2 = _fmix32(k1 ^ ((position >> 32) & _M32) ^ 0x85EBCA6B)
     return k1, k2
+
+
+def position_key(seed: int, position: int) -> tuple[int, int]:
+    """The two 32-bit keys of (seed, position): exact integers on the host, or int64 tensors."""
+    return position_keys(seed_key(seed), position)
 
 
 def hash_bits(seed: int, position: int, vocab: int, device=None) -> torch.Tensor:
@@ -266,7 +279,11 @@ def noise_at(seed, position, ids: torch.Tensor) -> torch.Tensor:
     """``G(seed, position, v)`` at int64 token ids ``v`` (float64, shaped like ``ids``). ``seed``
     and ``position`` are ints or int64 tensors (a seed above 2**63 - 1 as its two's-complement
     int64): the hash is integer arithmetic, so either gives the same bits."""
-    k1, k2 = position_key(seed, position)
+    return noise_from_keys(*position_key(seed, position), ids)
+
+
+def noise_from_keys(k1, k2, ids: torch.Tensor) -> torch.Tensor:
+    """``noise_at`` from the position's two keys (``position_key``: ints or int64 tensors)."""
     h = _fmix32((_fmix32(ids ^ k1) + k2) & _M32)
     u = (h.to(torch.float64) + 0.5) * 2.0 ** -32
     return -torch.log(-torch.log(u))
@@ -276,8 +293,14 @@ def pick_from(row: torch.Tensor, sampler: Sampler, seed, position) -> torch.Tens
     """The sampled token of one row ``[V]`` at ``position``: ``sampler``'s filters, the noise of
     ``seed`` (ints or int64 tensors, as ``noise_at``). 0-d int64; no host sync, so a CUDA graph
     can capture it with the seed and position in device tensors."""
+    return pick_from_keys(row, sampler, *position_key(seed, position))
+
+
+def pick_from_keys(row: torch.Tensor, sampler: Sampler, k1, k2) -> torch.Tensor:
+    """``pick_from`` given the position's two keys (``position_key``), e.g. computed on the host
+    and read by a CUDA graph from a device tensor."""
     ids, z, kept = candidates(row, sampler)
-    score = torch.where(kept, z + noise_at(seed, position, ids), -math.inf)
+    score = torch.where(kept, z + noise_from_keys(k1, k2, ids), -math.inf)
     best = score.max()
     return torch.where(score == best, ids, row.numel()).min()  # ties: the smallest id
 

@@ -34,11 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import UserError
-from core.sampling import candidates, noise_at
+from core.sampling import candidates, noise_from_keys, position_keys, seed_key
 from decoders.runtime import layers as L
 from decoders.runtime.graphs import capture_segments, run_segments
 from decoders.runtime.sizing import note_build
-from decoders.sampled import device_seed
 
 
 class Unchecked:
@@ -100,10 +99,11 @@ class MTPDrafter:
         self.rows_pos = self._arange[:max(sizes)].clone()
         self.rows_attn = torch.zeros(1, max(sizes), width, dtype=dtype, device=dev)
         self.attend_at = 0  # first KV position of the next eager attention segment's new rows
-        # the coupled draft's inputs: the draft vocabulary's full-vocabulary ids, T and the seed
+        # the coupled draft's inputs: the draft vocabulary's full-vocabulary ids, T and the seed's
+        # key (core.sampling.seed_key, computed on the host)
         self.ids = self.shortlist if self.shortlist is not None else torch.arange(lm.lm_head.weight.shape[0], device=dev)
         self.temperature = torch.ones((), dtype=torch.float64, device=dev)
-        self.seed = torch.zeros((), dtype=torch.long, device=dev)
+        self.seed_key = torch.zeros((), dtype=torch.long, device=dev)
         self.coupled = False  # this decode drafts coupled (``couple``)
         self.filter = None  # the sampler whose filter the coupled draft applies (``couple(filtered=True)``)
         self._step = self._graphed(self._step_segments())
@@ -212,7 +212,7 @@ class MTPDrafter:
             if filtered and self.pool is not None:
                 raise ValueError("the filtered coupled draft runs eagerly only (use_graphs=False)")
             self.temperature.fill_(sampler.temperature)
-            self.seed.fill_(device_seed(sampler.seed))
+            self.seed_key.fill_(seed_key(sampler.seed))
 
     def _step_segments(self, coupled: bool = False):
         """One chained draft step over the static buffers (in_hidden, in_token) at step_pos; the
@@ -311,7 +311,8 @@ class MTPDrafter:
         logits = F.linear(out_row, self.head_weight).reshape(-1)
         top = torch.topk(logits, min(DRAFT_CANDIDATES, logits.numel()))
         ids = self.ids[top.indices]
-        score = top.values.to(torch.float64) / self.temperature + noise_at(self.seed, position, ids)
+        noise = noise_from_keys(*position_keys(self.seed_key, position), ids)
+        score = top.values.to(torch.float64) / self.temperature + noise
         if self.filter is not None:  # the filter over the candidates alone: a proposal, not a pick
             ranks, _, kept = candidates(top.values, self.filter)
             score = torch.where(torch.zeros_like(kept).index_put_((ranks,), kept), score, -math.inf)

@@ -2,10 +2,12 @@
 
 Target. Every emitted token is ``core.sampling``'s pick at its absolute position from a logits row
 bit-identical to the control's, each row in its own call. On a CPU a row's pick IS
-``sampler.pick_tensor``. On a GPU it is the same function (``pick_at``: ``core.sampling.pick_from``)
-captured in a CUDA graph per (window program, row, sampler settings), which reads the seed and the
-row's position from device tensors: the hash is integer arithmetic, exact whether an operand is a
-Python int or a tensor, so the noise has the same bits, and a pick costs one launch instead of ~40.
+``sampler.pick_tensor``. On a GPU it is the same function (``pick_at``: ``core.sampling.pick_from_keys``)
+captured in a CUDA graph per (window program, row, sampler settings), which reads the row's two
+position keys (``core.sampling.position_key`` of the seed and the row's position) from a device
+tensor: the host computes them in exact integers and copies them in before the replay. The hash is
+integer arithmetic, exact whether an operand is a Python int or a tensor, so the noise has the
+same bits, and a pick costs one launch and no device work on the keys.
 tests/test_sampled.py and tests/test_cuda.py check both against ``pick_tensor``.
 
 Coupled draft. The MTP head proposes the token at position q as the argmax, over its
@@ -22,7 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from core.sampling import Sampler, pick_from
+from core.sampling import Sampler, pick_from_keys, position_keys, seed_key
 from decoders.runtime.graphs import capture_segments
 
 
@@ -32,11 +34,31 @@ def device_seed(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def pick_at(sampler: Sampler, row: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """``sampler.pick_tensor(row, position)`` for a non-greedy sampler, with the seed
-    (``device_seed``) and the position as int64 device tensors, so a CUDA graph can replay it for
-    any seed and position: ``core.sampling.pick_from`` itself, the same ops on the same shapes."""
-    return pick_from(row.reshape(-1), sampler, seed, position)
+def pick_at(sampler: Sampler, row: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``sampler.pick_tensor(row, position)`` for a non-greedy sampler, with the position's two
+    keys (``core.sampling.position_key``) in an int64 device tensor ``[2]``, so a CUDA graph can
+    replay it for any seed and position: ``core.sampling.pick_from_keys``, the same ops on the
+    same shapes."""
+    return pick_from_keys(row.reshape(-1), sampler, keys[0], keys[1])
+
+
+class RowKeys:
+    """A row's position keys on their way to the device: a pinned host buffer, copied without a
+    host wait into the device tensor its graph reads. Before the buffer is written again, the
+    event of its last copy is waited on (done by then in every decode: each round reads its
+    tokens), so a copy never reads a half-written buffer."""
+
+    def __init__(self, device):
+        self.device_keys = torch.zeros(2, dtype=torch.long, device=device)
+        self.host = torch.zeros(2, dtype=torch.long, pin_memory=True)
+        self.host_view = self.host.numpy()
+        self.copied = torch.cuda.Event()
+
+    def load(self, k1: int, k2: int) -> None:
+        self.copied.synchronize()
+        self.host_view[0], self.host_view[1] = k1, k2
+        self.device_keys.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
 
 def settings(sampler: Sampler) -> tuple:
@@ -57,7 +79,8 @@ class TargetPicks:
         self.warmup_stream = torch.cuda.Stream(device) if use_graphs else None  # one for all its captures
         self.max_settings = max_settings
         self.sampler: Sampler | None = None
-        self.seed = torch.zeros((), dtype=torch.long, device=device)
+        self.seed_key = 0  # core.sampling.seed_key of the bound sampler's seed
+        self._keys: dict[tuple[int, int], RowKeys] = {}  # (id(prog), r) -> the row's keys (programs held by _out)
         self._out: dict[int, tuple] = {}  # id(prog) -> (prog, [w] int64): the program held, so its id stays its own
         self._graphs: OrderedDict = OrderedDict()  # settings -> {(id(prog), r): (graph, logits ptr)}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -69,7 +92,7 @@ class TargetPicks:
         if sampler.greedy:
             raise ValueError("TargetPicks is for sampled decoding; greedy decoding takes the runtime's argmax")
         self.sampler = sampler
-        self.seed.fill_(device_seed(sampler.seed))
+        self.seed_key = seed_key(sampler.seed)
         self.picked = 0
         if self.use_graphs:
             for prog in programs:
@@ -92,8 +115,17 @@ class TargetPicks:
         if not self.use_graphs:
             out[r] = self.sampler.pick_tensor(prog.ws["logits"][0, r], prog.start + r + 1)
             return out[r]
-        self._graph(prog, r).replay()
+        graph = self._graph(prog, r)
+        self._row_keys(prog, r).load(*position_keys(self.seed_key, prog.start + r + 1))
+        graph.replay()
         return out[r]
+
+    def _row_keys(self, prog, r: int) -> RowKeys:
+        key = (id(prog), r)
+        if key not in self._keys:
+            self.out(prog)  # holds the program, so its id stays its own
+            self._keys[key] = RowKeys(self.device)
+        return self._keys[key]
 
     def _graph(self, prog, r: int) -> torch.cuda.CUDAGraph:
         key = settings(self.sampler)
@@ -106,10 +138,10 @@ class TargetPicks:
         logits = prog.ws["logits"]
         held = graphs.get((id(prog), r))
         if held is None or held[1] != logits.data_ptr():
-            sampler, out, positions = self.sampler, self.out(prog), prog.positions
+            sampler, out, keys = self.sampler, self.out(prog), self._row_keys(prog, r).device_keys
 
             def pick():
-                out[r].copy_(pick_at(sampler, logits[0, r], self.seed, positions[r] + 1))
+                out[r].copy_(pick_at(sampler, logits[0, r], keys))
 
             graph = capture_segments([("graph", pick)], self.pool, warmup_stream=self.warmup_stream)[0]
             held = graphs[(id(prog), r)] = (graph, logits.data_ptr(), prog)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import bad_decoders
-from core.sampling import Sampler, gumbel, noise_at
+from core.sampling import Sampler, gumbel, noise_at, position_key
 from decoders.drafter import DRAFT_CANDIDATES, MTPDrafter
 from decoders.fast_serial import FastSerialDecoder
 from decoders.policy import Costs
@@ -215,7 +215,9 @@ def test_coupled_draft_is_the_argmax_with_the_targets_noise(tiny):
         MTPDrafter(tiny, 64).couple(s)
 
 
-def test_pick_at_is_pick_tensor_with_tensor_seed_and_position():
+def test_pick_at_is_pick_tensor_with_the_position_keys_in_a_tensor():
+    # the keys as the host computes them (exact integers) and as int64 tensor ops compute them
+    # from a tensor seed and position: the same keys, the same pick
     torch.manual_seed(3)
     for vocab in (97, 4096):
         for k, sampler in enumerate(SAMPLERS):
@@ -223,8 +225,10 @@ def test_pick_at_is_pick_tensor_with_tensor_seed_and_position():
                 row = (torch.randn(vocab) * 3).to(torch.bfloat16)
                 row[vocab // 2] = row.max()  # a tie at the top
                 want = sampler.pick_tensor(row, position)
-                got = pick_at(sampler, row, torch.tensor(device_seed(sampler.seed)), torch.tensor(position))
-                assert int(got) == int(want), (sampler, position)
+                host = torch.tensor(position_key(sampler.seed, position))
+                device = torch.stack(position_key(torch.tensor(device_seed(sampler.seed)), torch.tensor(position)))
+                assert torch.equal(host, device), (sampler, position)
+                assert int(pick_at(sampler, row, host)) == int(want), (sampler, position)
 
 
 def test_device_seed_and_noise_at_ids():

@@ -21,6 +21,22 @@ def test_hash_is_exact_32_bit_and_matches_python_integers():
     assert int(h.min()) >= 0 and int(h.max()) < 2 ** 32
 
 
+
+def test_hash_steps_on_tensors_equal_the_integer_arithmetic():
+    # the one-kernel multiply-add of _mul32 and the split position keys, on int64 tensors, against
+    # Python's exact integers (seeds above 2**63 - 1 as their two's-complement int64)
+    from core.sampling import _M32, _fmix32, _mul32, position_key, seed_key
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.randint(0, 2 ** 32, (2000,), dtype=torch.int64, generator=gen)
+    for c in (0x7FEB352D, 0x846CA68B, 1, _M32):
+        assert _mul32(xs, c).tolist() == [(x * c) & _M32 for x in xs.tolist()]
+    assert _fmix32(xs).tolist() == [_fmix32(x) for x in xs.tolist()]
+    for seed in (0, 7, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1):
+        t = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed)
+        assert int(seed_key(t)) == seed_key(seed)
+        for position in (0, 41, 2 ** 32 + 3):
+            assert [int(k) for k in position_key(t, torch.tensor(position))] == list(position_key(seed, position))
+
 def test_noise_depends_on_seed_position_and_token_only():
     g = gumbel(7, 100, 50)
     assert torch.equal(g, gumbel(7, 100, 50))
