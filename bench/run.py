@@ -37,7 +37,8 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               tokens, 1 leg per stream, one `audit replay` of the six
   retime-9b   `audit retime` on synthetic-9b streams inside the sandbox: CUDA checked inside it first,
               then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
-              `harness time` and retimed on 6 fresh prompts; the table of claimed and verified ratios
+              `harness time` and retimed on 6 fresh prompts; the table of claimed and verified ratios.
+              One GPU call holds one of the two (~300 s each): --configs fs, then --configs inst-0.85
   replay-throughput
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               8 prompts x 96 tokens) at --workers 1, 2 and 4 on the one GPU: tokens/s per setting,
@@ -122,9 +123,10 @@ RETIME_9B = {"fs": ("--decoder", "fast-serial"),
                            "--decoder-arg", f"shortlist={SHORTLIST_9B}")}
 
 
-def retime_steps(out: Path) -> list[Step]:
+def retime_steps(out: Path, configs: list[str]) -> list[Step]:
     steps = [Step("sandbox-cuda", (PY, "-c", SANDBOX_CUDA))]
-    for key, args in RETIME_9B.items():
+    for key in configs:
+        args = RETIME_9B[key]
         steps.append(Step(f"time-{key}", (PY, "-m", "harness", "time", *args, "--model", "synthetic-9b",
                                           "--prompts", "random-512", "--limit", "3", "-n", "128", "--legs", "2",
                                           "--force", "--out", str(out / key)), done=f"retime/{key}/stream.jsonl"))
@@ -226,7 +228,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "sampling-exact-9b":
         return sampling_exact_steps(out / "sampling-exact-9b", SAMPLING_9B)
     if name == "retime-9b":
-        return retime_steps(out / "retime")
+        return retime_steps(out / "retime", configs or list(RETIME_9B))
     if name == "replay-throughput":
         return replay_throughput_steps(out / "replay")
     if name == "cpu-verify":
@@ -247,7 +249,7 @@ SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve"
         "sampling-exact-9b", "retime-9b",
         "replay-throughput",
         "cpu-verify", "retime-null", "tests-cuda", "suite")
-CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS}
+CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
 
 
 def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | None, float]:
@@ -310,7 +312,7 @@ def main() -> int:
     ap.add_argument("set", nargs="?", choices=SETS, metavar="SET", help=f"one of: {', '.join(SETS)}")
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
-                    help="table / small-real: a comma-separated subset of the configurations")
+                    help="table / small-real / retime-9b: a comma-separated subset of the configurations")
     ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="limit per step")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
     ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz", help="pack --out into one file at the end")
