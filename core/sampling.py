@@ -35,7 +35,6 @@ import torch
 
 NAME = "gumbel-max/v2"
 ID_BITS = 20  # a ranking key holds the token id in its low bits: vocabularies up to 2**20
-RANK_BLOCK = 1024  # keys per block of the two-level top-k (top_keys)
 _M32 = 0xFFFFFFFF
 
 # Qwen's recommended settings (Qwen3 model cards): thinking mode, and everything else
@@ -222,30 +221,13 @@ def ranking_keys(row: torch.Tensor) -> torch.Tensor:
     return (order << ID_BITS) | (low - torch.arange(vocab, dtype=torch.int64, device=row.device))
 
 
-def top_keys(keys: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
-    """The ``k`` largest of unique keys ``[V]``, largest first. With a ``block`` (on a GPU:
-    RANK_BLOCK) and k <= block < V/4, each block of ``block`` keys gives its own k largest first,
-    then the k largest of those: a single top-k over a long row runs on one GPU multiprocessor, a
-    top-k per block on all of them (on a CPU one top-k is faster). The k largest keys of the row are
-    among their blocks' k largest, and unique keys have one order, so the answer is the row's own
-    top-k exactly, on any device (tests/test_sampling.py compares the two)."""
-    vocab = keys.numel()
-    if block is None:
-        block = RANK_BLOCK if keys.is_cuda else vocab
-    if k >= vocab:
-        return torch.sort(keys, descending=True).values
-    if k > block or vocab < 4 * block:
-        return torch.topk(keys, k).values
-    blocks = -(-vocab // block)
-    padded = torch.nn.functional.pad(keys, (0, blocks * block - vocab), value=-1)  # below every key
-    return torch.topk(torch.topk(padded.view(blocks, block), k, dim=1).values.reshape(-1), k).values
-
-
 def ranked(row: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the ``k`` largest logits of ``row``, largest first, equal logits by the smaller
     id: int64 ``[k]``, from the unique ``ranking_keys`` (so one answer on every device)."""
+    keys = ranking_keys(row)
+    top = torch.topk(keys, k).values if k < keys.numel() else torch.sort(keys, descending=True).values
     low = (1 << ID_BITS) - 1
-    return low - (top_keys(ranking_keys(row), k) & low)
+    return low - (top & low)
 
 
 def candidates(row: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

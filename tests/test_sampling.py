@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from core.sampling import (GREEDY, NAME, PRESETS, Sampler, SamplerError, allowed_mask, gumbel, hash_bits, probabilities,
-                           ranked, ranking_keys, top_keys)
+                           ranked)
 
 
 def test_hash_is_exact_32_bit_and_matches_python_integers():
@@ -19,7 +19,6 @@ def test_hash_is_exact_32_bit_and_matches_python_integers():
     want = [_fmix32((_fmix32(v ^ k1) + k2) & 0xFFFFFFFF) for v in range(300)]
     assert h.tolist() == want
     assert int(h.min()) >= 0 and int(h.max()) < 2 ** 32
-
 
 
 def test_hash_steps_on_tensors_equal_the_integer_arithmetic():
@@ -36,6 +35,7 @@ def test_hash_steps_on_tensors_equal_the_integer_arithmetic():
         assert int(seed_key(t)) == seed_key(seed)
         for position in (0, 41, 2 ** 32 + 3):
             assert [int(k) for k in position_key(t, torch.tensor(position))] == list(position_key(seed, position))
+
 
 def test_noise_depends_on_seed_position_and_token_only():
     g = gumbel(7, 100, 50)
@@ -152,21 +152,6 @@ def test_ranking_is_by_value_then_id():
         ranked(torch.zeros((1 << 20) + 1), 4)
 
 
-
-@pytest.mark.parametrize("vocab,block", [(248_320, 1024), (5000, 64), (4099, 256), (1030, 256)])
-def test_blocked_top_k_is_the_rows_own_top_k(vocab, block):
-    # the two-level top-k (each block's k best, then the k best of those) against one top-k over the
-    # whole row, on logits with many equal values (bf16, ties across block boundaries), a tie at the
-    # top, -inf and a vocabulary that is not a multiple of the block
-    gen = torch.Generator().manual_seed(vocab)
-    for trial in range(6):
-        row = (torch.randn(vocab, generator=gen) * 3).to(torch.bfloat16)
-        row[::97] = row.max()
-        row[5::13] = float("-inf")
-        keys = ranking_keys(row)
-        for k in (1, 20, 64, block):
-            assert torch.equal(top_keys(keys, k, block), torch.topk(keys, k).values), (trial, k)
-        assert torch.equal(top_keys(keys, vocab, block), torch.sort(keys, descending=True).values)
 
 def test_rows_equal_lone_picks():
     torch.manual_seed(2)
