@@ -42,7 +42,7 @@ def test_harness_list_and_help_start_without_torch():
 
 
 def test_the_watch_covers_every_module_of_the_harness_package():
-    from harness.timing import WATCHED_MODULES
+    from harness.watch import WATCHED_MODULES
 
     on_disk = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "harness").rglob("*.py")}
     on_disk = {m.removesuffix(".__init__") for m in on_disk}

@@ -23,6 +23,7 @@ from core import determinism
 from core.schema import AtomicJsonlWriter
 from decoders.serial import SerialDecoder
 from harness import timing
+from harness import watch as watch_module
 
 
 @pytest.fixture
@@ -282,7 +283,7 @@ def test_honest_runs_have_no_violation(tmp_path, decoder):
 def test_watch_reads_the_runtime(monkeypatch):
     """The pure part of the new readings: each change once, restored state silent again."""
     clock = timing.Clock.start()
-    watch = timing.Watch(determinism.current(), clock)
+    watch = watch_module.Watch(determinism.current(), clock)
     assert watch.check("start", clock) == []
     threshold = gc.get_threshold()
     hook = lambda *a: None  # noqa: E731
@@ -311,7 +312,7 @@ def test_watch_reads_monitoring_tools(monkeypatch):
     else:
         take, free = sys.monitoring.use_tool_id, sys.monitoring.free_tool_id
     clock = timing.Clock.start()
-    watch = timing.Watch(determinism.current(), clock)
+    watch = watch_module.Watch(determinism.current(), clock)
     free_id = next(i for i in range(6) if sys.monitoring.get_tool(i) is None)
     take(free_id, "sneaky")
     try:
@@ -323,7 +324,7 @@ def test_watch_reads_monitoring_tools(monkeypatch):
 
 def test_watch_compares_records_with_its_copies():
     clock = timing.Clock.start()
-    watch = timing.Watch(determinism.current(), clock)
+    watch = watch_module.Watch(determinism.current(), clock)
     watch.begin_records()
     records = []
     for i in range(2):
@@ -352,7 +353,7 @@ def test_a_check_over_noted_records_finds_nothing_when_nothing_changed():
     import harness.cli  # noqa: F401  (the harness's modules loaded, as in a run)
 
     clock = timing.Clock.start()
-    watch = timing.Watch(determinism.current(), clock)
+    watch = watch_module.Watch(determinism.current(), clock)
     watch.watch_control(SerialDecoder())
     watch.begin_records()
     records = []
@@ -368,7 +369,7 @@ def test_watch_sees_each_watched_object(monkeypatch):
     """The pure part: every watched object, the clock and the control's bound decode."""
     settings = determinism.current()
     clock = timing.Clock.start()
-    watch = timing.Watch(settings, clock)
+    watch = watch_module.Watch(settings, clock)
     control = SerialDecoder()
     watch.watch_control(control)
     assert watch.check("start", clock) == []
