@@ -46,7 +46,8 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     from core.models import load_model  # imports torch: loads only when a command runs
     from core.prompts import load_prompts  # imports torch: loads only when a command runs
-    from harness.timing import Clock, warmup_ids  # imports torch: loads only when a command runs
+    from harness.clock import Clock
+    from harness.timing import warmup_ids  # imports torch: loads only when a command runs
     from harness.watch import Watch
 
     log = log or (lambda message: click.echo(message, err=True))

@@ -18,34 +18,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from core.schema import abba_roles, prompt_ratio
 from decoders.runtime.sizing import builds as runtime_builds
-
-if TYPE_CHECKING:
-    from harness.watch import Watch
-
-
-@dataclass(frozen=True)
-class Clock:
-    """Monotonic seconds since the run began, shared by every leg of a run. The counter is the
-    ``time.perf_counter`` of the moment the run began, so a later patch of it does not reach legs."""
-
-    origin: float
-    counter: Callable[[], float]
-
-    @classmethod
-    def start(cls) -> "Clock":
-        counter = time.perf_counter
-        return cls(counter(), counter)
-
-    def now(self) -> float:
-        return self.counter() - self.origin
+from harness.clock import Clock
+from harness.watch import Watch
 
 
 def synchronize(device: torch.device) -> None:

@@ -37,7 +37,7 @@ import threading
 import torch
 
 from core import determinism
-from harness.timing import Clock
+from harness.clock import Clock
 
 # module:attribute paths of single objects the timing rests on, re-resolved at every check
 WATCHED = ("time:perf_counter", "torch.cuda:synchronize", "torch.cuda:reset_peak_memory_stats",
