@@ -318,6 +318,13 @@ class MTPDrafter:
             score = torch.where(torch.zeros_like(kept).index_put_((ranks,), kept), score, -math.inf)
         return ids[score.argmax(-1, keepdim=True)].view(1, 1)
 
+    def head_candidates(self, k: int) -> torch.Tensor:
+        """The head's ``k`` best full-vocabulary ids by draft logit, best first ([k]), for the head
+        output row the last catch-up or chained step left in ``in_hidden``: the draft in
+        ``in_token`` and the runners-up a tree of drafts would branch on."""
+        logits = F.linear(self.in_hidden, self.head_weight).reshape(-1)
+        return self.ids[torch.topk(logits, min(k, logits.numel())).indices]
+
     @torch.inference_mode()
     def prefill(self, hidden: torch.Tensor, prompt_ids: list[int]) -> None:
         """Head rows for the prompt: (h_p, t_{p+1}) at p = 0..P-2. Without graphs (the CPU) the

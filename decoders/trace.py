@@ -2,7 +2,7 @@
 
     python -m decoders.trace --model small --prompts stdlib-heldout -n 256 --out FILE
                              [--max-depth 6] [--limit K] [--device DEV] [--head DIR] [--shortlist FILE]
-                             [--sampling SAMPLER [--uncoupled]]
+                             [--sampling SAMPLER [--uncoupled]] [--head-top-k K]
 
 For every prompt the exact runtime decodes the greedy stream s_0..s_{m-1} (m <= n, ending early at
 EOS, as every decoder does). Teacher-forced along it, the drafter ``spec`` builds for the same
@@ -13,6 +13,9 @@ the k-th chained draft equals s_{t+k}, the token a round starting at s_t must ma
 such as ``qwen-thinking,seed=7``, or ``temperature=0.6,top_p=0.95,seed=1``) the stream is the
 sampled control's and the drafts are ``spec``'s coupled drafts (the target's noise at each draft's
 position; ``--uncoupled``: plain argmax), so the trace is the head's acceptance under sampling.
+With ``--head-top-k K`` (default 4; 0: none) each position also records where s_{t+1} ranks among
+the K branches a tree of drafts would verify at depth 1: the draft itself (rank 0), then the head's
+best other ids by draft logit (-1: none of them).
 A row's catch-up here is always one row, where ``spec`` catches up
 on a round's accepted rows at once; a batched head forward may round differently, so a trace is
 the head's acceptance along the stream, not a record of any one ``spec`` run.
@@ -20,8 +23,10 @@ the head's acceptance along the stream, not a record of any one ``spec`` run.
 The JSON file holds the source model (name and identity), the drafter's settings (the sampler
 and the coupling among them), the prompt set
 (source, sha256, count), n, and per prompt its id, the sha256 of its token ids, the stream and one
-bit string per position ("1" accepted, "0" not); plus, per depth, the conditional acceptance
-P(draft k accepted | drafts 1..k-1 accepted) and the tokens per round a fixed depth gives.
+bit string per position ("1" accepted, "0" not) and, with ``head_top_k``, the ranks; plus, per
+depth, the conditional acceptance P(draft k accepted | drafts 1..k-1 accepted) and the tokens per
+round a fixed depth gives, and with the ranks what a second branch at depth 1 would add
+(``summarize``).
 
 ``spec-instrument --decoder-arg trace=FILE`` replays a trace on any model (``Trace.accepts``).
 """
@@ -50,6 +55,7 @@ from decoders.sampled import TargetPicks
 
 FORMAT = "qwen35-exact/acceptance-trace/1"
 MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
+MAX_HEAD_TOP_K = 16
 
 
 def prompt_sha256(token_ids: list[int]) -> str:
@@ -62,6 +68,7 @@ class TraceRow:
     prompt_sha256: str
     tokens: list[int]  # the stream s_0..s_{m-1} (greedy, or the recorded sampler's)
     bits: list[str]  # bits[t][k-1] == "1": the k-th draft chained from s_t equals s_{t+k}
+    ranks: list[int] | None = None  # ranks[t]: s_{t+1}'s rank among the depth-1 branches (0: the draft; -1: none)
 
 
 @dataclass(frozen=True)
@@ -99,9 +106,11 @@ def leading_ones(bits: str, depth: int) -> int:
     return j
 
 
-def summarize(rows: list[list[str]], max_depth: int) -> dict:
+def summarize(rows: list[list[str]], max_depth: int, ranks: list[list[int]] | None = None,
+              top_k: int = 0) -> dict:
     """Per-depth conditional acceptance, and the tokens per round (accepted + 1) that a fixed
-    depth d gives when its rounds walk the stream (each round starting where the last one left)."""
+    depth d gives when its rounds walk the stream (each round starting where the last one left).
+    With each row's ``ranks`` (``top_k`` of them recorded), also ``second_branch``."""
     per_depth = []
     for k in range(1, max_depth + 1):
         reached = [b for bits in rows for b in bits if len(b) >= k and leading_ones(b, k - 1) == k - 1]
@@ -117,23 +126,65 @@ def summarize(rows: list[list[str]], max_depth: int) -> dict:
                 run = leading_ones(bits[t], d)
                 emitted, rounds, t = emitted + run + 1, rounds + 1, t + run + 1
         per_round[str(d)] = emitted / rounds if rounds else None
-    return {"per_depth": per_depth, "tokens_per_round_at_fixed_depth": per_round}
+    out = {"per_depth": per_depth, "tokens_per_round_at_fixed_depth": per_round}
+    if ranks is not None and top_k > 0:
+        out["second_branch"] = second_branch(rows, ranks, max_depth, top_k)
+    return out
+
+
+def second_branch(rows: list[list[str]], ranks: list[list[int]], max_depth: int, top_k: int) -> dict:
+    """What the head's runners-up at depth 1 are worth, from the recorded ranks:
+
+    - ``in_top``: per j, the share of depth-1 opportunities whose token is among the first j
+      branches (the draft, then the head's best others);
+    - ``misses_in_top``: per j, the share of depth-1 misses whose token is among them (a tree
+      with those j branches keeps that round's first token);
+    - ``tokens_per_round_at_fixed_depth``: the rounds of ``summarize`` with a second branch at
+      depth 1 (the head's best other id as one more verify row): a round whose first draft misses
+      but whose token is that id emits 2 (the branch's token and the target's next). The
+      branch's own chain is not traced, so this is a lower bound."""
+    firsts = [(bits[t][0], r[t]) for bits, r in zip(rows, ranks) for t in range(len(r)) if bits[t]]
+    misses = [rank for bit, rank in firsts if bit == "0"]
+    in_top = {str(j): sum(1 for _, rank in firsts if 0 <= rank < j) / len(firsts) if firsts else None
+              for j in range(1, top_k + 1)}
+    misses_in_top = {str(j): sum(1 for rank in misses if 0 <= rank < j) / len(misses) if misses else None
+                     for j in range(1, top_k + 1)}
+    per_round = {}
+    if top_k >= 2:
+        for d in range(1, max_depth + 1):
+            emitted = rounds = 0
+            for bits, r in zip(rows, ranks):
+                t = 0
+                while t < len(bits) and bits[t]:
+                    run = leading_ones(bits[t], d)
+                    gain = run + 1 if r[t] != 1 else 2  # rank 1: the first draft missed
+                    emitted, rounds, t = emitted + gain, rounds + 1, t + gain
+            per_round[str(d)] = emitted / rounds if rounds else None
+    return {"top_k": top_k, "opportunities": len(firsts), "in_top": in_top, "misses_in_top": misses_in_top,
+            "tokens_per_round_at_fixed_depth": per_round}
 
 
 @torch.inference_mode()
 def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, max_depth: int,
-                  eos: set[int], picks: TargetPicks | None = None) -> tuple[list[int], list[str]]:
-    """The stream of one prompt and its bit strings (see the module docstring): greedy, or with
-    ``picks`` (bound to a sampler) the sampled stream."""
+                  eos: set[int], picks: TargetPicks | None = None,
+                  top_k: int = 0) -> tuple[list[int], list[str], list[int] | None]:
+    """The stream of one prompt, its bit strings and (``top_k`` > 0) its ranks (see the module
+    docstring): greedy, or with ``picks`` (bound to a sampler) the sampled stream."""
     logits, hidden = runtime.prefill(prompt_ids)
     drafter.prefill(hidden, prompt_ids)
     y = logits.argmax(-1).view(1, 1) if picks is None else picks.first(logits, len(prompt_ids))
     row_hidden = hidden[:, -1:]
-    tokens, chains = [int(y.item())], []
+    tokens, chains, heads = [int(y.item())], [], []
     while True:
         # the true row (hidden state at s_t's position, s_t), then max_depth chained drafts; the
-        # chained rows lie past the true ones, so the next position's catch-up overwrites them
-        chains.append(torch.cat(drafter.draft(row_hidden, y, max_depth), dim=1))
+        # chained rows lie past the true ones, so the next position's catch-up overwrites them.
+        # One draft, then the chained steps: the same calls as draft(..., max_depth), with the
+        # head's first output row read in between
+        drafts = drafter.draft(row_hidden, y, 1)
+        if top_k:  # one more than kept: the draft itself may be any of them under coupling or a tie
+            heads.append(drafter.head_candidates(top_k + 1))
+        drafts += [drafter.chained_step(drafter.filled + i) for i in range(max_depth - 1)]
+        chains.append(torch.cat(drafts, dim=1))
         if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             break
         prog = runtime.step(y)
@@ -144,16 +195,25 @@ def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, 
     m = len(tokens)
     bits = ["".join("1" if drafts[t][k - 1] == tokens[t + k] else "0" for k in range(1, min(max_depth, m - 1 - t) + 1))
             for t in range(m)]
-    return tokens, bits
+    ranks = None
+    if top_k:
+        # the draft first, then the head's best others: the branches a tree would verify
+        best = [[drafts[t][0]] + [v for v in top if v != drafts[t][0]][:top_k - 1]
+                for t, top in enumerate(torch.stack(heads[:m - 1]).tolist())] if m > 1 else []
+        ranks = [best[t].index(tokens[t + 1]) if tokens[t + 1] in best[t] else -1 for t in range(m - 1)]
+    return tokens, bits, ranks
 
 
 def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | None = None,
            shortlist: str | None = None, progress=None, sampler: Sampler | None = None,
-           coupled: bool = True) -> dict:
+           coupled: bool = True, head_top_k: int = 0) -> dict:
     """Trace every prompt (``core.prompts.Prompt``) with the drafter ``spec`` builds for the same
-    ``head``, ``shortlist`` and ``coupled`` arguments, greedily or under ``sampler``."""
+    ``head``, ``shortlist`` and ``coupled`` arguments, greedily or under ``sampler``; with
+    ``head_top_k`` > 0 each position's rank among the head's best at depth 1 too."""
     if not 1 <= max_depth <= MAX_TRACE_DEPTH:
         raise UserError(f"--max-depth must be within 1..{MAX_TRACE_DEPTH}")
+    if not 0 <= head_top_k <= MAX_HEAD_TOP_K:
+        raise UserError(f"--head-top-k must be within 0..{MAX_HEAD_TOP_K}")
     if max_new_tokens < 1:
         raise UserError("-n must be >= 1")
     trained = load_head(model, head) if head is not None else None
@@ -173,8 +233,10 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     eos = set(model.eos_token_ids)
     rows = []
     for i, p in enumerate(prompts):
-        tokens, bits = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos, picks)
-        rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits})
+        tokens, bits, ranks = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos, picks,
+                                            head_top_k)
+        rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits,
+                     **({"ranks": ranks} if head_top_k else {})})
         if progress:
             progress(i + 1, len(prompts), len(tokens))
     head_file = Path(head) / HEAD_FILE if head is not None else None
@@ -186,8 +248,10 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
                     "sampler": sampler.to_json() if sampled else None, "coupled": sampled and coupled},
         "max_new_tokens": max_new_tokens,
         "max_depth": max_depth,
+        "head_top_k": head_top_k,
         "rows": rows,
-        "acceptance": summarize([r["bits"] for r in rows], max_depth),
+        "acceptance": summarize([r["bits"] for r in rows], max_depth,
+                                [r["ranks"] for r in rows] if head_top_k else None, head_top_k),
     }
 
 
@@ -210,6 +274,8 @@ def load(path) -> Trace:
     need(isinstance(depth, int) and 1 <= depth <= MAX_TRACE_DEPTH, "max_depth")
     need(isinstance(n, int) and n >= 1, "max_new_tokens")
     need(isinstance(rows, list) and rows, "rows must be a non-empty list")
+    top_k = data.get("head_top_k", 0)
+    need(isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k <= MAX_HEAD_TOP_K, "head_top_k")
     out = []
     for i, r in enumerate(rows):
         need(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("prompt_sha256"), str),
@@ -220,7 +286,13 @@ def load(path) -> Trace:
         need(isinstance(bits, list) and len(bits) == len(tokens), f"row {i}: one bit string per token")
         need(all(isinstance(b, str) and set(b) <= {"0", "1"} and len(b) == min(depth, len(tokens) - 1 - t)
                  for t, b in enumerate(bits)), f"row {i}: bit strings of 0/1, max_depth long (shorter at the end)")
-        out.append(TraceRow(r["id"], r["prompt_sha256"], list(tokens), list(bits)))
+        ranks = r.get("ranks")
+        need((ranks is None) == (top_k == 0), f"row {i}: ranks recorded exactly when head_top_k > 0")
+        need(ranks is None or (isinstance(ranks, list) and len(ranks) == len(tokens) - 1
+                               and all(isinstance(k, int) and not isinstance(k, bool) and -1 <= k < top_k
+                                       for k in ranks)), f"row {i}: ranks, one per position with a next token")
+        out.append(TraceRow(r["id"], r["prompt_sha256"], list(tokens), list(bits),
+                            None if ranks is None else list(ranks)))
     meta = {k: data.get(k) for k in ("model", "drafter", "prompts")}
     return Trace(max_depth=depth, max_new_tokens=n, rows=out, meta=meta)
 
@@ -238,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sampling", default=None, metavar="SAMPLER",
                     help="trace the sampled stream (core.sampling: e.g. qwen-thinking,seed=7) with coupled drafts")
     ap.add_argument("--uncoupled", action="store_true", help="with --sampling: drafts by plain argmax")
+    ap.add_argument("--head-top-k", type=int, default=4, metavar="K",
+                    help="record each position's rank among the head's K best at depth 1 (0: none)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -259,7 +333,7 @@ def main(argv=None) -> int:
         prompts, info = load_prompts(args.prompts, model, args.limit)
         data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,
                       lambda i, k, m: print(f"traced {i}/{k} ({m} tokens)", file=sys.stderr, flush=True),
-                      sampler=sampler, coupled=not args.uncoupled)
+                      sampler=sampler, coupled=not args.uncoupled, head_top_k=args.head_top_k)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -268,6 +342,10 @@ def main(argv=None) -> int:
     acc = ", ".join(f"{d['conditional']:.3f}" if d["conditional"] is not None else "-"
                     for d in data["acceptance"]["per_depth"])
     print(f"wrote {args.out}: {len(data['rows'])} prompts, conditional acceptance by depth {acc}")
+    branch = data["acceptance"].get("second_branch")
+    if branch and branch["misses_in_top"].get("2") is not None:
+        print(f"depth-1 misses whose token is the second branch: {branch['misses_in_top']['2']:.3f}; "
+              f"tokens per round with a second branch at depth 1: {branch['tokens_per_round_at_fixed_depth']}")
     return 0
 
 

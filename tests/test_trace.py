@@ -222,3 +222,48 @@ def test_trace_of_small_predicts_the_real_spec_rounds(tmp_path):
         hist, _ = replay_rounds(trace, trace.rows[0], res.stats.extra["depth_trace"])
         assert {int(k): v for k, v in res.stats.to_json()["accept_hist"].items()} == hist
         assert res.stats.accepted > 10
+
+
+def test_head_ranks_leave_the_drafts_as_they_are_and_price_a_second_branch(tmp_path):
+    """``head_top_k``: the same bits as a trace without ranks; a rank 0 wherever the first draft
+    was accepted (greedy: the draft is the head's best); and a file that loads back."""
+    small = load_model("small", "cpu")
+    prompts = load_prompts("stdlib-heldout", small, limit=2)[0]
+    plain = T.record(small, prompts, 40, max_depth=3)
+    ranked = T.record(small, prompts, 40, max_depth=3, head_top_k=4)
+    assert [r["bits"] for r in ranked["rows"]] == [r["bits"] for r in plain["rows"]]
+    assert ranked["head_top_k"] == 4 and "ranks" not in plain["rows"][0]
+    misses = 0
+    for row in ranked["rows"]:
+        assert len(row["ranks"]) == len(row["tokens"]) - 1
+        for bits, rank in zip(row["bits"], row["ranks"]):
+            assert (bits[0] == "1") == (rank == 0)
+            misses += bits[0] == "0"
+    branch = ranked["acceptance"]["second_branch"]
+    assert branch["opportunities"] == sum(len(r["ranks"]) for r in ranked["rows"]) and misses > 0
+    assert branch["in_top"]["1"] == ranked["acceptance"]["per_depth"][0]["accepted"] / branch["opportunities"]
+    assert branch["misses_in_top"]["1"] == 0 and branch["misses_in_top"]["4"] >= branch["misses_in_top"]["2"]
+    for d in ("1", "3"):  # a second branch never emits less
+        assert (branch["tokens_per_round_at_fixed_depth"][d]
+                >= ranked["acceptance"]["tokens_per_round_at_fixed_depth"][d])
+    path = tmp_path / "ranked.json"
+    write_json_atomic(path, ranked)
+    assert T.load(path).rows[0].ranks == ranked["rows"][0]["ranks"]
+    bad = {**ranked, "rows": [{**ranked["rows"][0], "ranks": ranked["rows"][0]["ranks"][:-1]}]}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="ranks"):
+        T.load(path)
+
+
+def test_second_branch_counts_on_a_known_trace():
+    # positions 0..4; first drafts: miss (token is branch 1), miss (no branch), hit, miss (branch 2)
+    bits = [["0", "0", "1", "0", ""]]
+    ranks = [[1, -1, 0, 2]]
+    out = T.second_branch(bits, ranks, 1, 4)
+    assert out["opportunities"] == 4
+    assert out["in_top"] == {"1": 0.25, "2": 0.5, "3": 0.75, "4": 0.75}
+    assert out["misses_in_top"] == {"1": 0.0, "2": 1 / 3, "3": 2 / 3, "4": 2 / 3}
+    # with the branch: t=0 emits 2 (to t=2), t=2 accepts its draft: 2 (to t=4, the end)
+    assert out["tokens_per_round_at_fixed_depth"] == {"1": 2.0}
+    # without: t=0 1, t=1 1, t=2 2
+    assert T.summarize(bits, 1)["tokens_per_round_at_fixed_depth"]["1"] == 4 / 3
