@@ -24,7 +24,12 @@ ops on k values; only ``top_k = 0`` with ``top_p < 1`` sorts the vocabulary.
 
 Every function here works on ONE row of logits (a 1-D tensor), each in its own call, so a verify
 window's row, the control's ``[1, V]`` logits and a lone step's row go through the same kernels on
-the same shapes.
+the same shapes. The one exception is ``pick_rows_from_keys``, a window's rows in one call: it
+batches only the stages whose every element is computed alone (the ranking keys, the top-k of
+unique integer keys, the hash, the elementwise float ops, the max and the id of the best) and runs
+each row's reductions over floats (top-p's softmax and cumulative sum) on that row alone, so each
+row gets the bits ``pick_from_keys`` gives it (tests/test_sampling.py; tests/test_cuda.py on the
+device).
 """
 from __future__ import annotations
 
@@ -212,13 +217,19 @@ def ranking_keys(row: torch.Tensor) -> torch.Tensor:
     """Each token's unique int64 ranking key: its float32 logit's bits made order-preserving as an
     integer, shifted up, with ``2**ID_BITS - 1 - id`` below (a larger key: a larger logit, or an
     equal logit and a smaller id). Every key is >= 0."""
-    vocab = row.numel()
+    return ranking_keys_rows(row.reshape(1, -1)).reshape(-1)
+
+
+def ranking_keys_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``ranking_keys`` of each row of ``[R, V]`` at once: elementwise ops, so each row's keys are
+    the ones it has alone."""
+    vocab = rows.shape[-1]
     if vocab > 1 << ID_BITS:
         raise ValueError(f"a vocabulary of {vocab} tokens is more than the sampler ranks (2**{ID_BITS})")
-    bits = (row.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ranks as +0.0
+    bits = (rows.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ranks as +0.0
     order = torch.where(bits >= 0, bits + (1 << 31), -1 - bits)  # IEEE sign-magnitude -> increasing integers
     low = (1 << ID_BITS) - 1
-    return (order << ID_BITS) | (low - torch.arange(vocab, dtype=torch.int64, device=row.device))
+    return (order << ID_BITS) | (low - torch.arange(vocab, dtype=torch.int64, device=rows.device))
 
 
 def ranked(row: torch.Tensor, k: int) -> torch.Tensor:
@@ -285,6 +296,40 @@ def pick_from_keys(row: torch.Tensor, sampler: Sampler, k1, k2) -> torch.Tensor:
     score = torch.where(kept, z + noise_from_keys(k1, k2, ids), -math.inf)
     best = score.max()
     return torch.where(score == best, ids, row.numel()).min()  # ties: the smallest id
+
+
+def pick_rows_from_keys(rows: torch.Tensor, sampler: Sampler, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+    """``pick_from_keys`` of each row of ``[R, V]`` logits in one call, row r with the keys
+    ``k1[r]``, ``k2[r]`` (int64 ``[R]``): int64 ``[R]``, each the token ``pick_from_keys`` gives
+    that row alone. Unique integer keys have one top-k on any device and batch, integer and
+    elementwise float ops compute every element alone, max and min are exact; only top-p's float
+    reductions depend on how a kernel groups its sums, so they run row by row on ``[k]`` rows, as
+    in ``candidates``. No host sync."""
+    rows = rows.reshape(-1, rows.shape[-1])
+    n, vocab = rows.shape
+    k = sampler.top_k if 0 < sampler.top_k < vocab else vocab
+    low = (1 << ID_BITS) - 1
+    if k < vocab or sampler.top_p < 1:
+        keys = ranking_keys_rows(rows)
+        top = torch.topk(keys, k, dim=-1).values if k < vocab else torch.sort(keys, dim=-1, descending=True).values
+        ids = low - (top & low)
+        z = rows.gather(-1, ids).to(torch.float64) / sampler.temperature
+        best_z = z[:, :1]
+    else:
+        ids = torch.arange(vocab, dtype=torch.int64, device=rows.device).expand(n, vocab)
+        z = rows.to(torch.float64, copy=True) / sampler.temperature
+        best_z = z.max(-1, keepdim=True).values
+    kept = torch.ones(n, k, dtype=torch.bool, device=rows.device)
+    if sampler.top_p < 1:
+        for r in range(n):
+            probs = torch.softmax(z[r], 0)
+            kept[r].copy_(torch.cumsum(probs, 0) - probs < sampler.top_p)
+        kept[:, :1].fill_(True)
+    if sampler.min_p > 0:
+        kept = kept & (torch.exp(z - best_z) >= sampler.min_p)
+    score = torch.where(kept, z + noise_from_keys(k1.view(n, 1), k2.view(n, 1), ids), -math.inf)
+    best = score.max(-1, keepdim=True).values
+    return torch.where(score == best, ids, vocab).min(-1).values
 
 
 def allowed_mask(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from core.sampling import Sampler, pick_from_keys, position_keys, seed_key
+from core.sampling import Sampler, pick_from_keys, pick_rows_from_keys, position_keys, seed_key
 from decoders.runtime.graphs import capture_segments
 
 
@@ -43,22 +43,29 @@ def pick_at(sampler: Sampler, row: torch.Tensor, keys: torch.Tensor) -> torch.Te
 
 
 class RowKeys:
-    """A row's position keys on their way to the device: a pinned host buffer, copied without a
-    host wait into the device tensor its graph reads. Before the buffer is written again, the
-    event of its last copy is waited on (done by then in every decode: each round reads its
-    tokens), so a copy never reads a half-written buffer."""
+    """Position keys on their way to the device (a row's two, or a window's: every row's k1, then
+    every row's k2): a pinned host buffer, copied without a host wait into the device tensor its
+    graph reads. Before the buffer is written again, the event of its last copy is waited on (done
+    by then in every decode: each round reads its tokens), so a copy never reads a half-written
+    buffer."""
 
-    def __init__(self, device):
-        self.device_keys = torch.zeros(2, dtype=torch.long, device=device)
-        self.host = torch.zeros(2, dtype=torch.long, pin_memory=True)
+    def __init__(self, device, n: int = 2):
+        self.device_keys = torch.zeros(n, dtype=torch.long, device=device)
+        self.host = torch.zeros(n, dtype=torch.long, pin_memory=True)
         self.host_view = self.host.numpy()
         self.copied = torch.cuda.Event()
 
-    def load(self, k1: int, k2: int) -> None:
+    def load(self, *keys: int) -> None:
         self.copied.synchronize()
-        self.host_view[0], self.host_view[1] = k1, k2
+        self.host_view[:] = keys
         self.device_keys.copy_(self.host, non_blocking=True)
         self.copied.record()
+
+
+def window_keys(skey: int, first_position: int, rows: int) -> list[int]:
+    """A window's keys as ``RowKeys`` holds them: each row's k1, then each row's k2."""
+    keys = [position_keys(skey, first_position + r) for r in range(rows)]
+    return [k[0] for k in keys] + [k[1] for k in keys]
 
 
 def settings(sampler: Sampler) -> tuple:
@@ -66,12 +73,17 @@ def settings(sampler: Sampler) -> tuple:
     return sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p
 
 
+WINDOW = -1  # in place of a row index: a program's rows picked in one call (TargetPicks.rows)
+
+
 class TargetPicks:
     """The target's token at each row of a runtime's windows under one bound sampler.
 
     ``row(prog, r)`` picks row r of the program's last run (its logits ``prog.ws["logits"][0, r]``
-    at position ``prog.start + r + 1``) into ``out(prog)[r]`` and returns that 0-d view; no host
-    sync. Graphs (GPU) are kept for the ``max_settings`` most recent sampler settings."""
+    at position ``prog.start + r + 1``) into ``out(prog)[r]`` and returns that 0-d view;
+    ``rows(prog)`` picks all of them in one call (``core.sampling.pick_rows_from_keys``, the same
+    tokens) and returns ``out(prog)``. No host sync. Graphs (GPU) are kept for the
+    ``max_settings`` most recent sampler settings."""
 
     def __init__(self, device, use_graphs: bool, max_settings: int = 4):
         self.device = device
@@ -86,9 +98,10 @@ class TargetPicks:
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.picked = 0  # rows picked since the last bind
 
-    def bind(self, sampler: Sampler, programs=()) -> None:
+    def bind(self, sampler: Sampler, programs=(), windows: bool = False) -> None:
         """Pick with ``sampler`` (non-greedy) from now on. On the GPU every row of ``programs``
-        gets its graph now, so that no capture falls inside a later decode's rounds."""
+        gets its graph now, and with ``windows`` every program of several rows its ``rows`` graph,
+        so that no capture falls inside a later decode's rounds."""
         if sampler.greedy:
             raise ValueError("TargetPicks is for sampled decoding; greedy decoding takes the runtime's argmax")
         self.sampler = sampler
@@ -98,6 +111,8 @@ class TargetPicks:
             for prog in programs:
                 for r in range(prog.w):
                     self._graph(prog, r)
+                if windows and prog.w > 1:
+                    self._graph(prog, WINDOW)
 
     def first(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         """The prefill's token (``sampler.pick_tensor`` itself, eager: once per decode), [1,1]."""
@@ -120,14 +135,29 @@ class TargetPicks:
         graph.replay()
         return out[r]
 
+    def rows(self, prog) -> torch.Tensor:
+        out = self.out(prog)
+        self.picked += prog.w
+        keys = window_keys(self.seed_key, prog.start + 1, prog.w)
+        if not self.use_graphs:
+            k = torch.tensor(keys, dtype=torch.long)
+            out.copy_(pick_rows_from_keys(prog.ws["logits"][0], self.sampler, k[:prog.w], k[prog.w:]))
+            return out
+        graph = self._graph(prog, WINDOW)
+        self._row_keys(prog, WINDOW).load(*keys)
+        graph.replay()
+        return out
+
     def _row_keys(self, prog, r: int) -> RowKeys:
+        """Row r's keys, or with r = WINDOW the whole window's."""
         key = (id(prog), r)
         if key not in self._keys:
             self.out(prog)  # holds the program, so its id stays its own
-            self._keys[key] = RowKeys(self.device)
+            self._keys[key] = RowKeys(self.device, 2 * prog.w if r == WINDOW else 2)
         return self._keys[key]
 
     def _graph(self, prog, r: int) -> torch.cuda.CUDAGraph:
+        """Row r's pick graph under the bound sampler's settings (r = WINDOW: the window's)."""
         key = settings(self.sampler)
         graphs = self._graphs.get(key)
         if graphs is None:
@@ -138,10 +168,13 @@ class TargetPicks:
         logits = prog.ws["logits"]
         held = graphs.get((id(prog), r))
         if held is None or held[1] != logits.data_ptr():
-            sampler, out, keys = self.sampler, self.out(prog), self._row_keys(prog, r).device_keys
+            sampler, out, keys, w = self.sampler, self.out(prog), self._row_keys(prog, r).device_keys, prog.w
 
             def pick():
-                out[r].copy_(pick_at(sampler, logits[0, r], keys))
+                if r == WINDOW:
+                    out.copy_(pick_rows_from_keys(logits[0], sampler, keys[:w], keys[w:]))
+                else:
+                    out[r].copy_(pick_at(sampler, logits[0, r], keys))
 
             graph = capture_segments([("graph", pick)], self.pool, warmup_stream=self.warmup_stream)[0]
             held = graphs[(id(prog), r)] = (graph, logits.data_ptr(), prog)

@@ -32,7 +32,8 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
   coupled        under a sampler, draft with the target's noise (default true); false: the head's
                  plain argmax
   lazy_rows      under a sampler, pick a window's rows one by one up to the first rejection
-                 (default true); false: pick every row, then read them all at once
+                 (default true); false: pick every row in one call (core.sampling.pick_rows_from_keys,
+                 the same tokens), then read them all at once
 
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
@@ -377,7 +378,7 @@ class SpecDecoder:
         eos = set(self.model.eos_token_ids)
         self.drafter.couple(sampler if self.coupled else None)
         if not sampler.greedy:
-            self.picks.bind(sampler, self.runtime.programs.values())
+            self.picks.bind(sampler, self.runtime.programs.values(), windows=not self.lazy_rows)
         policy = self.new_policy(len(prompt_ids), sampler)
         timer = PhaseTimer(self.model.device)
         stats = DecodeStats(extra={"depth_trace": [], "probes": 0, "probe_hits": 0})
@@ -537,10 +538,11 @@ class SpecDecoder:
 
     def _pick_window(self, prog, block: torch.Tensor, depth: int) -> tuple[list[int], int]:
         """The picks of the window's rows (as many as are known) and the accepted count j. Lazy:
-        row 0 with the drafts in one read, then one row per read while the drafts agree."""
+        row 0 with the drafts in one read, then one row per read while the drafts agree; else
+        every row in one call and one read."""
         picks = self.picks
         if not self.lazy_rows:
-            rows = torch.stack([picks.row(prog, r) for r in range(depth + 1)]).view(1, -1)
+            rows = picks.rows(prog)[:depth + 1].view(1, -1)
             both = torch.cat([rows, block[:, 1:]], dim=1).view(-1).tolist()
             pred, drafted = both[:depth + 1], both[depth + 1:]
             return pred, accepted_prefix(pred, drafted)
@@ -628,7 +630,7 @@ class InstrumentedSpecDecoder(SpecDecoder):
         if sampler.greedy:
             tok = logits.argmax(-1).view(1, 1)
         else:
-            self.picks.bind(sampler, self.runtime.programs.values())
+            self.picks.bind(sampler, self.runtime.programs.values(), windows=not self.lazy_rows)
             tok = self.picks.first(logits, len(prompt_ids))
         ref = [int(tok.item())]
         while len(ref) < n:

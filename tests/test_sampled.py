@@ -92,6 +92,7 @@ def build(name: str, model, shortlist: str):
         "inst-0.6-d4": lambda: InstrumentedSpecDecoder(alpha=0.6, depth=4, seed=1),
         "inst-0.9-adaptive": lambda: InstrumentedSpecDecoder(alpha=0.9, max_depth=6, seed=2, online_costs=False),
         "inst-1.0-d5-shortlist": lambda: InstrumentedSpecDecoder(alpha=1.0, depth=5, shortlist=shortlist),
+        "inst-0.8-d5-all-rows": lambda: InstrumentedSpecDecoder(alpha=0.8, depth=5, seed=3, lazy_rows=False),
     }[name]()
     dec.prepare(model)
     if name == "inst-0.9-adaptive":
@@ -101,7 +102,7 @@ def build(name: str, model, shortlist: str):
 
 @pytest.mark.parametrize("name", ["fast-serial", "spec-d1", "spec-d3", "spec-d6-uncoupled", "spec-adaptive",
                                   "spec-d2-all-rows", "spec-d3-shortlist", "inst-0.6-d4", "inst-0.9-adaptive",
-                                  "inst-1.0-d5-shortlist"])
+                                  "inst-1.0-d5-shortlist", "inst-0.8-d5-all-rows"])
 def test_sampled_tokens_equal_serial(tiny, prompts, want, shortlist_file, name):
     dec = build(name, tiny, shortlist_file)
     assert dec.sampling is True

@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from core.sampling import (GREEDY, NAME, PRESETS, Sampler, SamplerError, allowed_mask, gumbel, hash_bits, probabilities,
-                           ranked)
+from core.sampling import (GREEDY, NAME, PRESETS, Sampler, SamplerError, allowed_mask, gumbel, hash_bits,
+                           pick_from_keys, pick_rows_from_keys, position_key, probabilities, ranked)
 
 
 def test_hash_is_exact_32_bit_and_matches_python_integers():
@@ -159,6 +159,33 @@ def test_rows_equal_lone_picks():
     s = Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=4)
     assert s.pick_rows(rows, 40).tolist() == [s.pick(rows[i], 40 + i) for i in range(5)]
     assert GREEDY.pick_rows(rows, 0).tolist() == rows.argmax(-1).tolist()
+
+
+WINDOW_SAMPLERS = [Sampler(temperature=0.6, top_k=20, top_p=0.95), Sampler(temperature=0.7, top_k=20, top_p=0.8),
+                   Sampler(temperature=1.0, top_p=0.9), Sampler(temperature=0.3), Sampler(temperature=1.0, top_k=3),
+                   Sampler(temperature=0.7, top_k=5, min_p=0.1), Sampler(temperature=0.5, min_p=0.2),
+                   Sampler(temperature=1.0, top_k=50, top_p=0.5, min_p=0.05)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_of_rows_in_one_call_picks_each_rows_lone_token(dtype):
+    """``pick_rows_from_keys``: every row the token ``pick_from_keys`` gives it alone, ties, signed
+    zeros and one-row windows included, for every filter combination."""
+    torch.manual_seed(9)
+    for trial in range(12):
+        n = 1 + trial % 6
+        rows = (torch.randn(n, 400) * 2).to(dtype)
+        rows[:, ::9] = rows[:, 4:5]  # equal logits, some at the top-k boundary
+        rows[0, 10], rows[-1, 11] = -0.0, 0.0
+        rows[n // 2, 60] = rows[n // 2].max()  # a tie at the top
+        for s in WINDOW_SAMPLERS:
+            s = Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=1000 + trial)
+            keys = [position_key(s.seed, 50 + trial + r) for r in range(n)]
+            k1 = torch.tensor([k[0] for k in keys])
+            k2 = torch.tensor([k[1] for k in keys])
+            alone = [int(pick_from_keys(rows[r], s, *keys[r])) for r in range(n)]
+            assert pick_rows_from_keys(rows, s, k1, k2).tolist() == alone, (trial, s)
+            assert alone == [s.pick(rows[r], 50 + trial + r) for r in range(n)]
 
 
 def test_parse_presets_and_json_round_trip():
