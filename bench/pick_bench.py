@@ -1,6 +1,6 @@
 """What one sampled pick costs, stage by stage, on one row of logits of the 9B vocabulary.
 
-    python bench/pick_bench.py [--vocab 248320] [--device cuda] [--reps 200]
+    python bench/pick_bench.py [--vocab 248320] [--device cuda] [--reps 200] [--window 5]
                                [--samplers 'qwen-thinking;qwen-instruct;temperature=1,top_k=50;temperature=1']
                                [--json FILE]
 
@@ -10,7 +10,9 @@ the float32 values (not a ranking: equal values come in any order), the candidat
 their filters, the whole pick with the seed and position in device tensors (the keys hashed on the
 device) and with the position's keys in a device tensor (``core.sampling.pick_from_keys``, what the
 decoders' graphs run), and that pick with its read to the host (``.item()``, what a lazy verify
-round pays per row). On a GPU each stage is captured in a CUDA graph, as the decoders run it, and timed by
+round pays per row), then a window of ``--window`` rows: row by row (each row's pick, as the lazy
+and the per-row paths run them) and in one call (``core.sampling.pick_rows_from_keys``, what
+``lazy_rows=false`` runs). On a GPU each stage is captured in a CUDA graph, as the decoders run it, and timed by
 CUDA events over ``--reps`` replays (the read: by the host clock); on a CPU, eagerly. The coupled
 draft's top-64 over a 32k-token shortlist is timed once for scale. The table (microseconds per
 call) is printed last.
@@ -28,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from core.sampling import (Sampler, SamplerError, candidates, pick_from, pick_from_keys, position_key,  # noqa: E402
-                           ranking_keys)
+from core.sampling import (Sampler, SamplerError, candidates, pick_from, pick_from_keys,  # noqa: E402
+                           pick_rows_from_keys, position_key, ranking_keys)
 
 DEFAULT_SAMPLERS = "qwen-thinking;qwen-instruct;temperature=1,top_k=50;temperature=1"
 
@@ -76,12 +78,15 @@ def read_us(fn, device: torch.device, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def bench_sampler(sampler: Sampler, vocab: int, device: torch.device, reps: int) -> dict:
+def bench_sampler(sampler: Sampler, vocab: int, device: torch.device, reps: int, window: int) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(vocab)
-    row = (torch.randn(vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
+    rows = (torch.randn(window, vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
+    row = rows[0]
     seed = torch.tensor(sampler.seed - (1 << 64) if sampler.seed >= 1 << 63 else sampler.seed, device=device)  # its int64 bits
     position = torch.tensor(1000, device=device)
     keys_at = torch.tensor(position_key(sampler.seed, 1000), device=device)
+    window_keys = torch.tensor([position_key(sampler.seed, 1000 + r) for r in range(window)], device=device)
+    k1s, k2s = window_keys[:, 0].contiguous(), window_keys[:, 1].contiguous()
     k = sampler.top_k if 0 < sampler.top_k < vocab else vocab
     keys = ranking_keys(row)
     top_k = (lambda: torch.topk(keys, k).values) if k < vocab else (lambda: torch.sort(keys, descending=True).values)
@@ -93,6 +98,9 @@ def bench_sampler(sampler: Sampler, vocab: int, device: torch.device, reps: int)
         "pick, seed and position": per_call_us(lambda: pick_from(row, sampler, seed, position), device, reps),
         "pick, keys": per_call_us(lambda: pick_from_keys(row, sampler, keys_at[0], keys_at[1]), device, reps),
         "pick + read": read_us(lambda: pick_from_keys(row, sampler, keys_at[0], keys_at[1]), device, reps),
+        f"{window} rows, row by row": per_call_us(
+            lambda: [pick_from_keys(rows[r], sampler, k1s[r], k2s[r]) for r in range(window)], device, reps),
+        f"{window} rows, one call": per_call_us(lambda: pick_rows_from_keys(rows, sampler, k1s, k2s), device, reps),
     }
     return {"sampler": sampler.describe(), "k": k, "us": stages}
 
@@ -103,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--samplers", default=DEFAULT_SAMPLERS, help="';' between sampler descriptions")
+    ap.add_argument("--window", type=int, default=5, help="rows of the window stages (default 5)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -110,11 +119,11 @@ def main(argv=None) -> int:
     except SamplerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if any(s.greedy for s in samplers) or args.vocab < 2 or args.reps < 1:
-        print("error: samplers must be non-greedy, --vocab >= 2 and --reps >= 1", file=sys.stderr)
+    if any(s.greedy for s in samplers) or args.vocab < 2 or args.reps < 1 or args.window < 1:
+        print("error: samplers must be non-greedy, --vocab >= 2, --reps >= 1 and --window >= 1", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    results = [bench_sampler(s, args.vocab, device, args.reps) for s in samplers]
+    results = [bench_sampler(s, args.vocab, device, args.reps, args.window) for s in samplers]
     shortlist = (torch.randn(32_768) * 3).to(torch.bfloat16).to(device)
     draft_us = per_call_us(lambda: torch.topk(shortlist, 64).indices, device, args.reps)
     if args.json:

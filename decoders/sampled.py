@@ -140,7 +140,7 @@ class TargetPicks:
         self.picked += prog.w
         keys = window_keys(self.seed_key, prog.start + 1, prog.w)
         if not self.use_graphs:
-            k = torch.tensor(keys, dtype=torch.long)
+            k = torch.tensor(keys, dtype=torch.long, device=self.device)
             out.copy_(pick_rows_from_keys(prog.ws["logits"][0], self.sampler, k[:prog.w], k[prog.w:]))
             return out
         graph = self._graph(prog, WINDOW)

@@ -337,6 +337,32 @@ def test_graphed_picks_equal_pick_tensor_on_the_9b_vocabulary():
         assert len(picks._graphs[tuple(picks._graphs)[-1]]) == 7  # one graph per row, reused
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("w", [2, 5, 8])
+def test_a_windows_rows_in_one_graph_equal_their_lone_picks_on_the_9b_vocabulary(w):
+    """``TargetPicks.rows``: a window's rows picked in one call (``pick_rows_from_keys``), eager
+    and replayed from its CUDA graph, are each row's ``Sampler.pick_tensor``, bit for bit, for
+    every filter, on 248,320 logits."""
+    g = torch.Generator(device="cuda").manual_seed(w)
+    logits = (torch.randn(1, w, 248320, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    prog = _Rows(logits, start=2000)
+    picks = TargetPicks(torch.device("cuda"), use_graphs=True)
+    eager = TargetPicks(torch.device("cuda"), use_graphs=False)
+    samplers = SAMPLED + [Sampler(temperature=0.7, top_k=20, seed=5), Sampler(**PRESETS["qwen-instruct"], seed=6),
+                          Sampler(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=7)]
+    for sampler in samplers:
+        picks.bind(sampler, [prog], windows=True)
+        eager.bind(sampler)
+        for rep in range(3):
+            logits.copy_((torch.randn(1, w, 248320, device="cuda", generator=g) * 3).to(torch.bfloat16))
+            logits[0, :, ::97] = logits[0, :, 5:6]  # equal logits, some at the top-k boundary
+            prog.start = 2000 + 11 * rep
+            want = [sampler.pick(logits[0, r], prog.start + r + 1) for r in range(w)]
+            assert picks.rows(prog).tolist() == want, (sampler, rep)
+            assert eager.rows(prog).tolist() == want, (sampler, rep)
+        assert len(picks._graphs[tuple(picks._graphs)[-1]]) == w + 1  # the rows' graphs and the window's
+
+
 @pytest.fixture(scope="module")
 def sampled_serial_tokens(models):
     model = models["tiny"]
