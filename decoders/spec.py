@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from core.sampling import GREEDY, Sampler
+from core.sampling import GREEDY, Sampler, pick_rows_from_keys
 from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head, load_shortlist,
                               shortlist_source)
@@ -171,7 +171,8 @@ class SpecDecoder:
         if not isinstance(coupled, bool) or not isinstance(lazy_rows, bool):
             raise ValueError("coupled and lazy_rows must be true or false")
         self.coupled, self.lazy_rows = coupled, lazy_rows
-        self._sampled_costs: dict[tuple, tuple[float, float]] = {}  # sampler settings -> (pick, coupled draft) seconds
+        # sampler settings -> (pick, coupled draft, {w: a window's rows in one call}) seconds
+        self._sampled_costs: dict[tuple, tuple[float, float, dict]] = {}
         self.model = self.runtime = self.drafter = self.costs = None
         self.picks: TargetPicks | None = None  # the sampled path's picks, made with the runtime
         self.cost_reps: dict | None = None  # every timed rep of measure_costs, in seconds
@@ -319,22 +320,24 @@ class SpecDecoder:
 
     def sampled_costs(self, sampler: Sampler) -> Costs:
         """The start-up costs under ``sampler`` (bound to the picks and the drafter): a plain step
-        plus one pick and its read, a window of w rows plus w of them (as if no draft were
-        rejected: the prior errs towards plain steps, and the decode's own round times correct
-        it), a draft step coupled. The pick and the coupled draft are timed once per sampler
-        setting, at the first decode with it (the harness's untimed warm-up)."""
+        plus one pick and its read, a window of w rows plus w of them (lazy rows, as if no draft
+        were rejected: the prior errs towards plain steps, and the decode's own round times
+        correct it) or its rows' one call (``lazy_rows=false``), a draft step coupled. The picks
+        and the coupled draft are timed once per sampler setting, at the first decode with it (the
+        harness's untimed warm-up)."""
         key = settings(sampler)
         if key not in self._sampled_costs:
-            self._sampled_costs[key] = self._time_sampling() if self.fixed is None else (0.0, 0.0)
-        pick, draft = self._sampled_costs[key]
+            self._sampled_costs[key] = self._time_sampling() if self.fixed is None else (0.0, 0.0, {})
+        pick, draft, windows = self._sampled_costs[key]
         c = self.costs
-        return Costs(step=c.step + pick, draft=c.draft + draft, verify={w: v + w * pick for w, v in c.verify.items()},
-                     head_prefill=c.head_prefill)
+        verify = {w: v + windows.get(w, w * pick) for w, v in c.verify.items()}
+        return Costs(step=c.step + pick, draft=c.draft + draft, verify=verify, head_prefill=c.head_prefill)
 
-    def _time_sampling(self, reps: int = 5) -> tuple[float, float]:
-        """Seconds of one pick and its read, and what a coupled draft step adds to a plain one
-        (fastest of ``reps``). Reads the step program's last logits, writes only the drafter's
-        rows past those in use: the decode that follows makes its own."""
+    def _time_sampling(self, reps: int = 5) -> tuple[float, float, dict]:
+        """Seconds of one pick and its read, what a coupled draft step adds to a plain one, and
+        with ``lazy_rows=false`` a window's rows picked in one call and read, per width (fastest
+        of ``reps``). Reads the programs' last logits, writes only the drafter's rows past those
+        in use: the decode that follows makes its own."""
         rt, dr, dev = self.runtime, self.drafter, self.model.device
         prog = rt.program(1, capture=False)
         if rt.use_graphs:
@@ -357,11 +360,21 @@ class SpecDecoder:
             return best
 
         seconds = fastest(pick)
+        windows = {}
+        if not self.lazy_rows:
+            for w in self.costs.verify:
+                if rt.use_graphs:
+                    window = rt.program(w, capture=True)
+                    windows[w] = fastest(lambda: self.picks.rows(window).tolist())
+                else:
+                    rows = torch.zeros(w, self.model.vocab_size, device=dev)
+                    keys = torch.zeros(w, dtype=torch.long, device=dev)
+                    windows[w] = fastest(lambda: pick_rows_from_keys(rows, self.picks.sampler, keys, keys).tolist())
         self.picks.picked = 0
         draft = 0.0
         if dr.coupled and dr.filled + 1 <= dr.capacity:
             draft = max(0.0, fastest(lambda: dr.chained_step(dr.filled)) - self.costs.draft)
-        return seconds, draft
+        return seconds, draft, windows
 
     # ------------------------------------------------------------------ decoding
 

@@ -23,7 +23,7 @@ from decoders.drafter import DRAFT_CANDIDATES, MTPDrafter
 from decoders.fast_serial import FastSerialDecoder
 from decoders.policy import Costs
 from decoders.runtime.runtime import ExactRuntime
-from decoders.sampled import TargetPicks, device_seed, pick_at
+from decoders.sampled import TargetPicks, device_seed, pick_at, settings
 from decoders.serial import SerialDecoder
 from decoders.spec import InstrumentedSpecDecoder, SpecDecoder
 from fixtures.prompts import DEV_PROMPTS
@@ -314,3 +314,18 @@ def test_sampling_cheats_are_caught_at_their_first_wrong_token(tiny, prompts, se
             assert got[index] != sampler.pick(logits, position)
         else:
             assert got[index] == dec.choose(sampler, logits, position)
+
+
+def test_one_call_windows_are_priced_by_their_own_timing(tiny):
+    """With ``lazy_rows=false`` a window's prior adds its rows' one call, timed per width at the
+    sampler's first decode, not w lone picks; lazy windows add w picks."""
+    s = SAMPLERS[1]
+    for lazy in (True, False):
+        dec = SpecDecoder(lazy_rows=lazy)
+        dec.prepare(tiny)
+        dec.picks.bind(s)
+        costs = dec.sampled_costs(s)
+        pick, _, windows = dec._sampled_costs[settings(s)]
+        assert bool(windows) is not lazy and pick > 0
+        for w, base in dec.costs.verify.items():
+            assert costs.verify[w] == base + (w * pick if lazy else windows[w])
