@@ -18,8 +18,8 @@ Decoders (``--configs`` picks among them; the default depends on the model):
   spec-uncoupled  the same with drafts by the head's plain argmax (``coupled=false``)
   spec-dN[-uncoupled]  spec at the fixed depth N (acceptance at a depth the policy does not choose)
   inst-A          spec-instrument at alpha A
-  ...-eager       (after spec or inst) every row of a window picked, then read at once
-                  (``lazy_rows=false``) instead of row by row up to the first rejection
+  ...-eager       (after spec or inst) every row of a window picked in one call, then read at
+                  once (``lazy_rows=false``) instead of row by row up to the first rejection
   (spec and the instrument on synthetic-9b draft over bench/synthetic9b-shortlist-32k.json)
   small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, spec, inst-0.6, inst-0.85.
 Samplers (``;`` between them): ``greedy``, a preset, or any ``core.sampling`` description such as
