@@ -235,10 +235,16 @@ def ranking_keys_rows(rows: torch.Tensor) -> torch.Tensor:
 def ranked(row: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the ``k`` largest logits of ``row``, largest first, equal logits by the smaller
     id: int64 ``[k]``, from the unique ``ranking_keys`` (so one answer on every device)."""
-    keys = ranking_keys(row)
-    top = torch.topk(keys, k).values if k < keys.numel() else torch.sort(keys, descending=True).values
     low = (1 << ID_BITS) - 1
-    return low - (top & low)
+    return low - (top_keys(ranking_keys(row), k) & low)
+
+
+def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest of unique keys along the last dimension, largest first (all of them,
+    sorted, when k is the whole row)."""
+    if k < keys.shape[-1]:
+        return torch.topk(keys, k, dim=-1).values
+    return torch.sort(keys, dim=-1, descending=True).values
 
 
 def candidates(row: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -310,9 +316,7 @@ def pick_rows_from_keys(rows: torch.Tensor, sampler: Sampler, k1: torch.Tensor, 
     k = sampler.top_k if 0 < sampler.top_k < vocab else vocab
     low = (1 << ID_BITS) - 1
     if k < vocab or sampler.top_p < 1:
-        keys = ranking_keys_rows(rows)
-        top = torch.topk(keys, k, dim=-1).values if k < vocab else torch.sort(keys, dim=-1, descending=True).values
-        ids = low - (top & low)
+        ids = low - (top_keys(ranking_keys_rows(rows), k) & low)
         z = rows.gather(-1, ids).to(torch.float64) / sampler.temperature
         best_z = z[:, :1]
     else:

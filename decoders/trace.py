@@ -117,19 +117,25 @@ def summarize(rows: list[list[str]], max_depth: int, ranks: list[list[int]] | No
         hit = sum(1 for b in reached if b[k - 1] == "1")
         per_depth.append({"depth": k, "opportunities": len(reached), "accepted": hit,
                           "conditional": hit / len(reached) if reached else None})
-    per_round = {}
-    for d in range(1, max_depth + 1):
-        emitted = rounds = 0
-        for bits in rows:
-            t = 0
-            while t < len(bits) and bits[t]:
-                run = leading_ones(bits[t], d)
-                emitted, rounds, t = emitted + run + 1, rounds + 1, t + run + 1
-        per_round[str(d)] = emitted / rounds if rounds else None
+    per_round = {str(d): tokens_per_round(rows, d) for d in range(1, max_depth + 1)}
     out = {"per_depth": per_depth, "tokens_per_round_at_fixed_depth": per_round}
     if ranks is not None and top_k > 0:
         out["second_branch"] = second_branch(rows, ranks, max_depth, top_k)
     return out
+
+
+def tokens_per_round(rows: list[list[str]], depth: int, ranks: list[list[int]] | None = None) -> float | None:
+    """Tokens per round (accepted + 1) of rounds at a fixed ``depth`` walking each row, each round
+    starting where the last one left; with ``ranks``, a round whose first draft misses but whose
+    token is the second branch (rank 1) keeps it and the target's next: 2 tokens."""
+    emitted = rounds = 0
+    for i, bits in enumerate(rows):
+        t = 0
+        while t < len(bits) and bits[t]:
+            run = leading_ones(bits[t], depth)
+            gain = 2 if ranks is not None and ranks[i][t] == 1 else run + 1  # rank 1: the first draft missed
+            emitted, rounds, t = emitted + gain, rounds + 1, t + gain
+    return emitted / rounds if rounds else None
 
 
 def second_branch(rows: list[list[str]], ranks: list[list[int]], max_depth: int, top_k: int) -> dict:
@@ -149,17 +155,7 @@ def second_branch(rows: list[list[str]], ranks: list[list[int]], max_depth: int,
               for j in range(1, top_k + 1)}
     misses_in_top = {str(j): sum(1 for rank in misses if 0 <= rank < j) / len(misses) if misses else None
                      for j in range(1, top_k + 1)}
-    per_round = {}
-    if top_k >= 2:
-        for d in range(1, max_depth + 1):
-            emitted = rounds = 0
-            for bits, r in zip(rows, ranks):
-                t = 0
-                while t < len(bits) and bits[t]:
-                    run = leading_ones(bits[t], d)
-                    gain = run + 1 if r[t] != 1 else 2  # rank 1: the first draft missed
-                    emitted, rounds, t = emitted + gain, rounds + 1, t + gain
-            per_round[str(d)] = emitted / rounds if rounds else None
+    per_round = {str(d): tokens_per_round(rows, d, ranks) for d in range(1, max_depth + 1)} if top_k >= 2 else {}
     return {"top_k": top_k, "opportunities": len(firsts), "in_top": in_top, "misses_in_top": misses_in_top,
             "tokens_per_round_at_fixed_depth": per_round}
 
@@ -344,8 +340,9 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: {len(data['rows'])} prompts, conditional acceptance by depth {acc}")
     branch = data["acceptance"].get("second_branch")
     if branch and branch["misses_in_top"].get("2") is not None:
+        per_round = ", ".join(f"{v:.3f}" for v in branch["tokens_per_round_at_fixed_depth"].values() if v is not None)
         print(f"depth-1 misses whose token is the second branch: {branch['misses_in_top']['2']:.3f}; "
-              f"tokens per round with a second branch at depth 1: {branch['tokens_per_round_at_fixed_depth']}")
+              f"tokens per round by depth with a second branch at depth 1: {per_round}")
     return 0
 
 
