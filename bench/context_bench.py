@@ -2,6 +2,7 @@
 
     python bench/context_bench.py --out DIR [--model synthetic-9b] [--contexts 512,2048,8192,16384,32768]
                                   [-n 256] [--control-n 32] [--alphas 0.6,0.85] [--legs 1] [--shortlist FILE]
+    python bench/context_bench.py --replot DIR/context.json     # redraw its context.png, no model
 
 The model is built once. Every decoder (``serial``, the control; ``fast-serial``; ``spec-instrument``
 at each alpha) is prepared once and sized (``reserve``) for the longest context before anything
@@ -16,8 +17,8 @@ Every decoder's tokens are compared with fast-serial's (the control's with its f
 ``--control-n``); every leg counts the runtimes built during it (``decoders.runtime.sizing``),
 which must be none. Peak memory is each leg's ``torch.cuda.max_memory_allocated`` less the other
 decoders' resident bytes (all live in this process): the model, the decoder's own state and the
-leg's transients. DIR/context.json keeps every leg; DIR/context.png plots decode ms/tok against
-context. The markdown table is printed last. ``--model tiny`` (CPU) checks the script itself.
+leg's transients. DIR/context.json keeps every leg; DIR/context.png plots decode ms/tok, and the
+speed-up over fast-serial, against context. The markdown table is printed last. ``--model tiny`` (CPU) checks the script itself.
 """
 from __future__ import annotations
 
@@ -251,31 +252,63 @@ def print_table(rows: list[dict], args) -> None:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
-    """Decode ms/tok against context, one line per decoder (needs matplotlib, as `reports` does)."""
+    """Two panels against context: decode ms/tok of every decoder (log scale: the control's ~70 ms
+    and the runtime's ~4-8 ms on one axis), and each decoder's speed-up over fast-serial (needs
+    matplotlib, as `reports` does)."""
     try:
         from reports.figures import new_figure, save
     except ImportError:
         return False
     fig = new_figure(4.2)
-    ax = fig.add_subplot()
-    for name in dict.fromkeys(r["decoder"] for r in rows):
-        pts = [(r["context"], r["decode_ms_per_token"]) for r in rows if r["decoder"] == name
-               and r.get("decode_ms_per_token") is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
+    ms_ax, ratio_ax = fig.subplots(1, 2)
     contexts = sorted({r["context"] for r in rows})
-    ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
-    ax.minorticks_off()
-    ax.set_xlabel("context (prompt + new tokens)")
-    ax.set_ylabel("decode ms / token")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    for i, name in enumerate(dict.fromkeys(r["decoder"] for r in rows)):
+        style = {"marker": "o", "label": name, "color": f"C{i}"}  # one colour per decoder in both panels
+        mine = [r for r in rows if r["decoder"] == name and r.get("decode_ms_per_token") is not None]
+        if mine:
+            ms_ax.plot([r["context"] for r in mine], [r["decode_ms_per_token"] for r in mine], **style)
+        ratios = [r for r in mine if r.get("vs_fast_serial") is not None and name not in (REFERENCE, CONTROL)]
+        if ratios:
+            ratio_ax.plot([r["context"] for r in ratios], [r["vs_fast_serial"] for r in ratios], **style)
+    ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
+    ms_ax.set_yscale("log")
+    ms_ax.set_ylabel("decode ms / token")
+    ratio_ax.set_ylabel(f"speed-up over {REFERENCE}")
+    for ax in (ms_ax, ratio_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context (prompt + new tokens)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
     return save(fig, path)
 
 
+def replot(path: Path) -> int:
+    """Redraw context.png beside a kept context.json (its rows), with no model and no GPU."""
+    try:
+        doc = json.loads(path.read_text())
+        rows, model = doc["rows"], doc["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {path} is not a context_bench result: {e}", file=sys.stderr)
+        return 2
+    out = path.with_suffix(".png")
+    if not plot(rows, out, f"{model}: decode ms/token vs context"):
+        print("error: drawing needs matplotlib", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--replot"]:
+        if len(argv) != 2:
+            print("error: usage: context_bench.py --replot DIR/context.json", file=sys.stderr)
+            return 2
+        return replot(Path(argv[1]))
     args = parse_args(argv)
     from core import determinism
 

@@ -24,8 +24,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               every answer compared with the recorded serial tokens
   sampling    bench/sampling_bench.py: under Qwen's two presets and greedy, side by side in one process,
               `small`'s fast-serial and spec with and without the coupled draft (acceptance and
-              speed), and synthetic-9b's fast-serial, spec and instrument at alpha 0.6 and 0.85; every
-              token checked against the serial control under the same sampler
+              speed), and synthetic-9b's fast-serial, spec and instrument at alpha 0.6 and 0.85 (with
+              the GPU's default one-call windows and with lazy rows); every token checked against the
+              serial control under the same sampler
   sampling-exact
               on the CPU: for tiny and small, T in 0.3, 0.6, 1.0, with and without top-k/top-p, and
               fast-serial and spec (fixed depth 3, so every round verifies drafts): `harness time

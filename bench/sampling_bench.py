@@ -18,10 +18,14 @@ Decoders (``--configs`` picks among them; the default depends on the model):
   spec-uncoupled  the same with drafts by the head's plain argmax (``coupled=false``)
   spec-dN[-uncoupled]  spec at the fixed depth N (acceptance at a depth the policy does not choose)
   inst-A          spec-instrument at alpha A
+  ...-lazy        (after spec or inst) a window's rows picked one by one up to the first
+                  rejection (``lazy_rows=true``)
   ...-eager       (after spec or inst) every row of a window picked in one call, then read at
-                  once (``lazy_rows=false``) instead of row by row up to the first rejection
+                  once (``lazy_rows=false``); without either suffix, the decoder's default (auto:
+                  one call where the runtime replays CUDA graphs, lazy rows where it does not)
   (spec and the instrument on synthetic-9b draft over bench/synthetic9b-shortlist-32k.json)
-  small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, spec, inst-0.6, inst-0.85.
+  small: fast-serial, spec, spec-uncoupled; synthetic-9b: fast-serial, spec, inst-0.6, inst-0.6-lazy,
+  inst-0.85, inst-0.85-lazy.
 Samplers (``;`` between them): ``greedy``, a preset, or any ``core.sampling`` description such as
 ``temperature=0.6,top_p=0.95``; prompt i samples with seed ``--seed + i`` (a description's own
 seed is replaced). Prompts: small stdlib-heldout, others random-512.
@@ -46,10 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHORTLIST_9B = str(ROOT / "bench" / "synthetic9b-shortlist-32k.json")
-SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?(-eager)?")
-INSTRUMENT = re.compile(r"inst-([0-9.]+)(-eager)?")
+SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?(-lazy|-eager)?")
+INSTRUMENT = re.compile(r"inst-([0-9.]+)(-lazy|-eager)?")
+LAZY_ROWS = {"-lazy": True, "-eager": False, None: "auto"}
 DEFAULT_CONFIGS = {"small": ["fast-serial", "spec", "spec-uncoupled"],
-                   "synthetic-9b": ["fast-serial", "spec", "inst-0.6", "inst-0.85"]}
+                   "synthetic-9b": ["fast-serial", "spec", "inst-0.6", "inst-0.6-lazy", "inst-0.85", "inst-0.85-lazy"]}
 PROMPTS = {"small": "stdlib-heldout", "tiny": "dev"}
 
 
@@ -60,15 +65,15 @@ def decoder_for(config: str, model_name: str):
         return get_decoder("fast-serial")
     match = INSTRUMENT.fullmatch(config)
     if match is not None:
-        kwargs = {"alpha": float(match[1]), "lazy_rows": not match[2]}
+        kwargs = {"alpha": float(match[1]), "lazy_rows": LAZY_ROWS[match[2]]}
         if model_name == "synthetic-9b":
             kwargs["shortlist"] = SHORTLIST_9B
         return get_decoder("spec-instrument", **kwargs)
     match = SPEC.fullmatch(config)
     if match is None:
         raise SystemExit(f"error: unknown configuration {config!r}")
-    depth, uncoupled, eager = match.groups()
-    kwargs = {"coupled": not uncoupled, "lazy_rows": not eager, **({"depth": int(depth)} if depth else {})}
+    depth, uncoupled, rows = match.groups()
+    kwargs = {"coupled": not uncoupled, "lazy_rows": LAZY_ROWS[rows], **({"depth": int(depth)} if depth else {})}
     if model_name == "synthetic-9b":
         kwargs["shortlist"] = SHORTLIST_9B
     return get_decoder("spec", **kwargs)

@@ -375,8 +375,9 @@ def sampled_serial_tokens(models):
 
 @pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec", {}), ("spec", {"depth": 3}),
                                          ("spec", {"depth": 3, "coupled": False}),
-                                         ("spec", {"depth": 4, "lazy_rows": False}),
+                                         ("spec", {"depth": 4, "lazy_rows": True}),
                                          ("spec-instrument", {"alpha": 0.6, "max_depth": 6}),
+                                         ("spec-instrument", {"alpha": 0.8, "depth": 4, "lazy_rows": True}),
                                          ("spec-instrument", {"alpha": 0.8, "depth": 3}),
                                          ("spec-instrument", {"alpha": 1.0, "depth": 5})])
 def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial_tokens, name, kwargs):
@@ -387,6 +388,8 @@ def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial
     dec = get_decoder(name, **kwargs)
     dec.prepare(models["tiny"])
     assert dec.config()["graphs"] is True and dec.sampling
+    if name != "fast-serial":  # graphed runtime: a window's rows in one call unless asked otherwise
+        assert dec.config()["lazy_rows"] is kwargs.get("lazy_rows", False)
     accepted = 0
     for sampler in SAMPLED:
         for ids, ref in zip(prompts, want[sampler]):

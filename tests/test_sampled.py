@@ -171,6 +171,20 @@ def test_instrument_prepares_the_sampled_controls_stream(tiny, prompts, want):
     assert calls == []  # the prepared stream was used
 
 
+def test_lazy_rows_default_follows_the_runtime_and_rejects_other_values(tiny):
+    """auto (the default, also ``lazy_rows=none``): lazy rows on an eager runtime such as the
+    CPU's, a window's rows in one call where graphs replay (tests/test_cuda.py); an explicit
+    value is kept; anything else is refused before any model is touched."""
+    for arg, want in (({}, True), ({"lazy_rows": None}, True), ({"lazy_rows": "auto"}, True),
+                      ({"lazy_rows": False}, False)):
+        dec = SpecDecoder(depth=2, **arg)
+        dec.prepare(tiny)
+        assert dec.config()["lazy_rows"] is want and dec.config()["graphs"] is False
+    for bad in ("yes", 1, "false"):
+        with pytest.raises(ValueError, match="lazy_rows must be true, false or auto"):
+            SpecDecoder(lazy_rows=bad)
+
+
 def test_lazy_rows_pick_only_the_rows_a_round_needs(tiny, prompts, want):
     s = SAMPLERS[1]
     for lazy in (True, False):
