@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from core.errors import UserError
 from core.sampling import candidates, noise_from_keys, position_keys, seed_key
@@ -133,11 +134,14 @@ class MTPDrafter:
         return self._post(x, self._attend(query, kv, start, self._causal_mask(positions, start + m)), gate)
 
     def _causal_mask(self, positions, length: int):
-        """Causal within the new rows; a single row sees every cached position (no mask)."""
+        """Causal within the new rows, which are the last of ``length`` (row i sees every position
+        up to its own); a single row sees every cached position (no mask). A lower-right causal
+        bias rather than a boolean mask: on a GPU it runs the flash kernel, where a mask over the
+        whole prefix sends long prompts to a kernel that materialises rows x length scores."""
         m = positions.shape[0]
         if m == 1:
             return None
-        return (self._arange[:length].view(1, -1) <= positions.view(-1, 1)).view(1, 1, m, length)
+        return causal_lower_right(m, length)
 
     def _pre(self, hidden, tokens, positions):
         """fc over [embedding, hidden], input norm, q/k/v with their norms and RoPE at ``positions``.
@@ -332,7 +336,8 @@ class MTPDrafter:
         share a few GEMM shapes: a CPU's first GEMM of a shape sets up its kernels (~1.6 ms on
         tiny, more than the forward). Padded rows are scratch: the next catch-up writes over them
         before anything attends to them. A long prompt runs in chunks of PREFILL_CHUNK rows, each
-        attending to every row before it: one call's scores and mask grow with rows x length."""
+        attending to every row before it: where the attention kernel materialises its scores (the
+        CPU), they grow with rows x length."""
         self.filled = 0
         m = len(prompt_ids) - 1
         if m > 0:
