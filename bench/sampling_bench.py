@@ -34,7 +34,8 @@ The table (printed last) gives per model, sampler and decoder: ms per token (med
 each prompt's fastest rep), the speed ratio to fast-serial under the same sampler (median over
 prompts of the per-prompt ratio, > 1: faster), the ratio of the decoder's own greedy ms/token to
 this one (1: sampling costs nothing), the drafts' acceptance (accepted / drafted), the mean accepted
-length (tokens per verify round) and whether every token was the control's.
+length (tokens per verify round), the probes (a plain step with one draft beside it) and how many
+of them the draft got right, and whether every token was the control's.
 """
 from __future__ import annotations
 
@@ -155,6 +156,7 @@ def bench_model(model_name: str, args) -> list[dict]:
                     row = {"model": model_name, "sampler": label, "decoder": config, "prompt": p.id,
                            "seconds": seconds, "tokens": len(res.tokens), "exact": exact,
                            "drafted": st.drafted, "accepted": st.accepted, "rounds": sum(st.accept_hist.values()),
+                           "probes": st.extra.get("probes", 0), "probe_hits": st.extra.get("probe_hits", 0),
                            "sampler_json": sampler.to_json() if sampler is not None else None}
                     exact_all[key] = exact_all.get(key, True) and exact
                     if key not in best or seconds < best[key]["seconds"]:
@@ -179,11 +181,13 @@ def summarize(rows: list[dict]) -> list[dict]:
         vs_greedy = [1e3 * greedy[pid]["seconds"] / greedy[pid]["tokens"] / m for pid, m in ms.items() if pid in greedy]
         drafted, accepted = sum(r["drafted"] for r in per.values()), sum(r["accepted"] for r in per.values())
         rounds = sum(r["rounds"] for r in per.values())
+        probes = sum(r.get("probes", 0) for r in per.values())
         out.append({"model": model, "sampler": sampler, "decoder": decoder, "ms_per_token": statistics.median(ms.values()),
                     "vs_fast_serial": statistics.median(vs_fs) if vs_fs else None,
                     "vs_own_greedy": statistics.median(vs_greedy) if vs_greedy else None,
                     "acceptance": accepted / drafted if drafted else None,
                     "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
+                    "probes": probes, "probe_hits": sum(r.get("probe_hits", 0) for r in per.values()),
                     "exact": all(r["exact"] for r in per.values()), "prompts": len(per)})
     return out
 
@@ -192,12 +196,14 @@ def table(summary: list[dict]) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| model | sampler | decoder | ms/token | vs fast-serial | vs own greedy | acceptance | mean acc. len | exact |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | sampler | decoder | ms/token | vs fast-serial | vs own greedy | acceptance | mean acc. len "
+             "| probes (hits) | exact |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary:
         lines.append(f"| {s['model']} | {s['sampler']} | {s['decoder']} | {f(s['ms_per_token'], '.2f')} | "
                      f"{f(s['vs_fast_serial'], '.3f')}x | {f(s['vs_own_greedy'], '.3f')}x | {f(s['acceptance'], '.3f')} | "
-                     f"{f(s['mean_accepted_length'], '.2f')} | {'yes' if s['exact'] else 'NO'} |")
+                     f"{f(s['mean_accepted_length'], '.2f')} | {s['probes']} ({s['probe_hits']}) | "
+                     f"{'yes' if s['exact'] else 'NO'} |")
     return "\n".join(lines)
 
 
