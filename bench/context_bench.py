@@ -234,6 +234,7 @@ def fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict], args) -> None:
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    ratio = lambda x, spec: "-" if x is None else f"{x:{spec}}x"  # noqa: E731
     print(f"\n{args.model}, N={args.max_new_tokens} (control: {args.control_n}), {args.legs} leg(s); "
           "ratios of decode ms/tok; peak = the leg's peak less the other decoders' resident bytes")
     print("\n| context | decoder | prompt | tokens | prefill s | decode ms/tok | vs fast-serial | vs control | "
@@ -245,8 +246,8 @@ def print_table(rows: list[dict], args) -> None:
             continue
         exact = {True: "yes", False: "NO", None: "-"}[r["exact"]]
         print(f"| {r['context']} | {r['decoder']} | {r['prompt_tokens']} | {r['tokens']} | {r['prefill_s']:.3f} | "
-              f"{fmt(r['decode_ms_per_token'], '.2f')} | {fmt(r['vs_fast_serial'], '.3f')}x | "
-              f"{fmt(r['vs_control'], '.2f')}x | {gib(r['own_peak_bytes'])} | "
+              f"{fmt(r['decode_ms_per_token'], '.2f')} | {ratio(r['vs_fast_serial'], '.3f')} | "
+              f"{ratio(r['vs_control'], '.2f')} | {gib(r['own_peak_bytes'])} | "
               f"{gib(r['resident_bytes'] if args.device_type == 'cuda' else None)} | {fmt(r['capacity'], 'd')} | "
               f"{exact} | {r['built'] or 'none'} |")
 

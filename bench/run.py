@@ -19,6 +19,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   context     bench/context_bench.py on synthetic-9b: decode ms/token and peak memory against context
               (512 to 32k: prompt + 256 new tokens), the control, fast-serial and the instrument at alpha
               0.6 and 0.85 side by side in one process, each sized for 32k before timing
+  long        bench/context_bench.py for one long generation: a 2000-token prompt + 16384 new tokens,
+              fast-serial and the instrument at alpha 0.85 side by side, both sized for it before
+              timing (~5 minutes on the H200)
   serve       bench/serve_bench.py on synthetic-9b: time to first token and tokens/s of `spec` through
               `harness serve` (the openai client), `harness generate` and `harness time`, side by side,
               every answer compared with the recorded serial tokens
@@ -218,6 +221,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
                                 ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
     if name == "context":
         return [Step("context", (PY, "bench/context_bench.py", "--model", "synthetic-9b", "--out", str(out / "context")))]
+    if name == "long":
+        return [Step("long", (PY, "bench/context_bench.py", "--model", "synthetic-9b", "--contexts", "18384",
+                              "-n", "16384", "--control-n", "0", "--alphas", "0.85", "--out", str(out / "long")))]
     if name == "serve":
         return [Step("serve", (PY, "bench/serve_bench.py", "--model", "synthetic-9b", "--decoder", "spec",
                                "--limit", "3", "-n", "256", "--out", str(out / "serve")))]
@@ -246,7 +252,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "serve", "sampling", "sampling-exact",
+SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b",
         "replay-throughput",
         "cpu-verify", "retime-null", "tests-cuda", "suite")
