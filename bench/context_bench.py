@@ -40,7 +40,8 @@ CONTROL = "serial"
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="where context.json and context.png go (required for a run)")
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="redraw context.png beside a kept context.json and exit")
     ap.add_argument("--model", default="synthetic-9b")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--contexts", default=None, help="comma-separated context lengths (prompt + N)")
@@ -50,6 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--legs", type=int, default=1)
     ap.add_argument("--shortlist", default=None, help=f"the instruments' draft shortlist (synthetic-9b: {SHORTLIST_9B})")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        return args
+    if args.out is None:
+        ap.error("--out is required (or --replot JSON)")
     args.contexts = ([int(c) for c in args.contexts.split(",") if c] if args.contexts
                      else list(CONTEXTS.get(args.model, CONTEXTS["tiny"])))
     args.max_new_tokens = args.max_new_tokens or NEW_TOKENS.get(args.model, 16)
@@ -234,7 +239,7 @@ def fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict], args) -> None:
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-    ratio = lambda x, spec: "-" if x is None else f"{x:{spec}}x"  # noqa: E731
+    ratio = lambda x, spec: fmt(x, spec) + ("" if x is None else "x")  # noqa: E731
     print(f"\n{args.model}, N={args.max_new_tokens} (control: {args.control_n}), {args.legs} leg(s); "
           "ratios of decode ms/tok; peak = the leg's peak less the other decoders' resident bytes")
     print("\n| context | decoder | prompt | tokens | prefill s | decode ms/tok | vs fast-serial | vs control | "
@@ -303,14 +308,9 @@ def replot(path: Path) -> int:
 
 
 def main(argv=None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--replot"]:
-        if len(argv) != 2:
-            print("error: usage: context_bench.py --replot DIR/context.json", file=sys.stderr)
-            return 2
-        return replot(Path(argv[1]))
     args = parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot)
     from core import determinism
 
     determinism.pin()  # before anything touches CUDA, as the harness does

@@ -181,13 +181,13 @@ def summarize(rows: list[dict]) -> list[dict]:
         vs_greedy = [1e3 * greedy[pid]["seconds"] / greedy[pid]["tokens"] / m for pid, m in ms.items() if pid in greedy]
         drafted, accepted = sum(r["drafted"] for r in per.values()), sum(r["accepted"] for r in per.values())
         rounds = sum(r["rounds"] for r in per.values())
-        probes = sum(r.get("probes", 0) for r in per.values())
         out.append({"model": model, "sampler": sampler, "decoder": decoder, "ms_per_token": statistics.median(ms.values()),
                     "vs_fast_serial": statistics.median(vs_fs) if vs_fs else None,
                     "vs_own_greedy": statistics.median(vs_greedy) if vs_greedy else None,
                     "acceptance": accepted / drafted if drafted else None,
                     "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
-                    "probes": probes, "probe_hits": sum(r.get("probe_hits", 0) for r in per.values()),
+                    "probes": sum(r["probes"] for r in per.values()),
+                    "probe_hits": sum(r["probe_hits"] for r in per.values()),
                     "exact": all(r["exact"] for r in per.values()), "prompts": len(per)})
     return out
 

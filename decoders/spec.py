@@ -172,11 +172,9 @@ class SpecDecoder:
         self.online_costs = online_costs
         if not isinstance(coupled, bool):
             raise ValueError("coupled must be true or false")
-        if lazy_rows is None:
-            lazy_rows = "auto"
-        if not isinstance(lazy_rows, bool) and lazy_rows != "auto":
+        if not isinstance(lazy_rows, bool) and lazy_rows not in ("auto", None):
             raise ValueError("lazy_rows must be true, false or auto")
-        # "auto" is settled by the runtime prepare() builds: whether it replays CUDA graphs
+        # auto (or none) is settled by the runtime prepare() builds: whether it replays CUDA graphs
         self.coupled, self.lazy_rows_arg = coupled, lazy_rows
         self.lazy_rows = lazy_rows if isinstance(lazy_rows, bool) else True
         # sampler settings -> (pick, coupled draft, {w: a window's rows in one call}) seconds
@@ -193,7 +191,7 @@ class SpecDecoder:
         if self.head_dir is not None:
             self.head = load_head(model, self.head_dir)
         self._build(self.capacity)
-        if self.lazy_rows_arg == "auto":
+        if not isinstance(self.lazy_rows_arg, bool):
             self.lazy_rows = not self.runtime.use_graphs
         self.cost_reps = self.measure_costs()
         self.costs = Costs.from_reps(self.cost_reps)
