@@ -126,23 +126,32 @@ PLAIN_RUN = 16
 class Pending:
     """Between rounds, the head rows not yet computed with true inputs: positions [first, length)
     of the runtime's kept rows (``StaticState.row_hidden``, ``row_next``), i.e. each position's
-    final hidden state and the token after it. Each of the runtime's forwards writes those rows
-    itself, so a plain step or a kept window adds rows with no copy in this loop. ``y`` [1,1] is the
-    token after the last committed position: the last emitted token, the next backbone input. It
-    is a view the loop sets after each round (the step's own argmax buffer after a plain step: no
-    slicing on the host per step), valid until the next forward, which reads it first."""
+    final hidden state and the token after it. A kept window's rows are written by its program; a
+    plain step's hidden row waits in the runtime's ring and its token in ``steps`` (read on the
+    host anyway), both moved in by ``take``: a plain step adds no copy to the loop. ``y`` [1,1] is
+    the token after the last committed position: the last emitted token, the next backbone input.
+    It is a view the loop sets after each round (the step's own argmax or pick buffer after a
+    plain step: no slicing on the host per step), valid until the next forward, which reads it
+    first."""
 
     def __init__(self, runtime: ExactRuntime):
         self.runtime = runtime
         end = runtime.length
         self.first = end - 1  # the prompt's last position: its rows come with the prefill
         self.y = runtime.state.row_next[:, end - 1:end]
+        # the tokens after the last len(steps) positions, each a plain step's (row_next's, once taken)
+        self.steps: list[int] = []
         # (hidden [1,P,H], prompt ids): the head's prompt rows, made by the decode's first draft
         self.prompt: tuple[torch.Tensor, list[int]] | None = None
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending rows ([1,m,H], [1,m]), handed to the head: none are left after."""
-        st, a, b = self.runtime.state, self.first, self.runtime.length
+        rt, a, b = self.runtime, self.first, self.runtime.length
+        st = rt.state
+        rt.flush_rows()
+        if self.steps:
+            st.row_next[0, b - len(self.steps):b].copy_(torch.tensor(self.steps))
+            self.steps = []
         self.first = b
         return st.row_hidden[:, a:b], st.row_next[:, a:b]
 
@@ -486,28 +495,27 @@ class SpecDecoder:
 
     def _plain_steps(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
         """Up to ``rounds`` exact steps, stopping after an EOS; their rows join the head's pending
-        rows (the runtime keeps them). Returns the emitted tokens. Timed by the decode loop's host
-        clock, not by events: at a step's cost on a fast GPU, two event records a step would show."""
+        rows (``Pending.steps``, the runtime's ring). Returns the emitted tokens. Timed by the
+        decode loop's host clock, not by events: at a step's cost on a fast GPU, two event records
+        a step would show."""
         rt, out = self.runtime, []
         for _ in range(rounds):
             pending.y = rt.step(pending.y).ws["argmax"]
             out.append(int(pending.y.item()))
             if out[-1] in eos:
                 break
+        pending.steps += out
         return out
 
     def _plain_steps_sampled(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
-        """As ``_plain_steps``, each token the sampler's pick, written to the head's pending row."""
+        """As ``_plain_steps``, each token the sampler's pick at the position after the step's."""
         rt, out = self.runtime, []
-        row_next = rt.state.row_next
         for _ in range(rounds):
-            prog = rt.step(pending.y)
-            at = rt.length - 1  # the position the step consumed; its pick is the token after it
-            row_next[:, at].copy_(self.picks.row(prog, 0))
-            pending.y = row_next[:, at:at + 1]
+            pending.y = self.picks.row(rt.step(pending.y), 0).view(1, 1)
             out.append(int(pending.y.item()))
             if out[-1] in eos:
                 break
+        pending.steps += out
         return out
 
     def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:

@@ -25,7 +25,7 @@ from decoders.runtime.runtime import ExactRuntime
 from decoders.sampled import TargetPicks
 from decoders.serial import SerialDecoder
 from fixtures.prompts import DEV_PROMPTS
-from test_runtime import assert_state_equal, random_model, snapshot  # helpers of that test module (tests/ is on the path)
+from test_runtime import assert_state_equal, check_ring_rows, random_model, snapshot  # helpers of that test module (tests/ is on the path)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -208,6 +208,13 @@ def test_a_decode_past_4096_positions_reserved_up_front_is_exact_and_builds_noth
         dec.prepare_prompt(prompt, n)
     assert dec.decode(prompt, n).tokens == want
     assert sizing.builds() == built
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_graphed_steps_keep_their_hidden_rows_through_the_ring(models, which, monkeypatch):
+    """A graphed step's hidden row, selected into its ring slot on the device, reaches
+    ``row_hidden`` bit for bit at every ring offset, with windows between (test_runtime's check)."""
+    check_ring_rows(models[which], monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["fast-serial", "spec"])

@@ -233,3 +233,41 @@ def test_lanes_off_the_gpu_run_branches_in_order():
     assert lanes.fork(*[lambda i=i: seen.append(i) or i * i for i in range(5)]) == [0, 1, 4, 9, 16]
     assert lanes.each(lambda i: seen.append(10 + i) or -i, 3) == [0, -1, -2]
     assert seen == [0, 1, 2, 3, 4, 10, 11, 12]
+
+
+def test_kept_rows_pass_through_the_ring_at_every_offset(tiny, monkeypatch):
+    """With keep_rows, ``flush_rows`` leaves in ``row_hidden`` exactly the hidden row each step
+    and each kept window row made, whether the ring (shrunk to 5 slots) filled up, wrapped at an
+    offset, or was flushed by a window; rows past an accepted prefix are never taken from it."""
+    check_ring_rows(tiny, monkeypatch)
+
+
+def check_ring_rows(model, monkeypatch) -> None:
+    """The ring test on ``model``'s device (test_cuda runs it with graphs)."""
+    from decoders.runtime import state as state_mod
+
+    monkeypatch.setattr(state_mod, "RING_ROWS", 5)
+    rt = ExactRuntime(model, capacity=96, windows=(1, 3), keep_rows=True)
+    dev = model.device
+    made = {}
+    _, hidden = rt.prefill(list(range(3, 10)))  # 7 positions: the ring's first slot is 7 % 5
+    made[6] = hidden[0, -1].clone()
+    tok = torch.tensor([[11]], device=dev)
+
+    def steps(k):
+        for _ in range(k):
+            prog = rt.step(tok)
+            made[rt.length - 1] = prog.ws["hidden"][0, 0].clone()
+
+    steps(13)  # fills the ring twice over, each time from a wrapped slot
+    start = rt.length
+    window = rt.verify(torch.tensor([[12, 13, 14]], device=dev))
+    made.update({start + r: window.ws["hidden"][0, r].clone() for r in range(2)})
+    rt.accept(2)
+    steps(3)
+    rt.flush_rows()
+    steps(4)
+    rt.flush_rows()
+    assert rt.ring_from == rt.length == 29
+    for p in range(6, rt.length):
+        assert torch.equal(rt.state.row_hidden[0, p], made[p]), p

@@ -10,7 +10,9 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
+from core.sampling import Sampler
 from decoders.policy import Costs
 from decoders.serial import SerialDecoder
 from decoders.spec import InstrumentedSpecDecoder, SpecDecoder, accepted_prefix
@@ -219,3 +221,67 @@ def test_head_prompt_rows_wait_for_the_first_draft(tiny, serial, prompts):
     assert made == []
     res = assert_exact(dec, serial, prompts[:1], first + 8)
     assert made == [len(prompts[0])] and res.stats.extra["probes"] >= 1
+
+
+@pytest.mark.parametrize("sampler", [None, Sampler(temperature=0.6, top_k=8, seed=4)], ids=["greedy", "sampled"])
+def test_the_head_is_handed_every_rows_own_hidden_state_and_next_token(tiny, prompts, monkeypatch, sampler):
+    """Every row a decode hands the head (``Pending.take``) is the hidden state that position's
+    forward made (a plain step's, through the runtime's ring, or a kept window row's) and the
+    stream's token after it: plain runs longer than the ring (shrunk to 5 slots, so it wraps at
+    every offset), probes and windows mixed in one decode."""
+    from decoders.runtime import state as state_mod
+    from decoders.spec import Pending
+
+    monkeypatch.setattr(state_mod, "RING_ROWS", 5)
+    dec = InstrumentedSpecDecoder(alpha=1.0, max_depth=3, online_costs=False)
+    dec.prepare(tiny)
+    dec.costs = PLAIN_FIRST  # plain steps first (longer than the ring), then probes and windows
+    rt = dec.runtime
+    assert rt.state.ring_hidden.shape[0] == 5
+    made, window, taken = {}, {}, []  # position -> hidden row its forward made; the open window; takes
+    real_prefill, real_step, real_verify, real_accept = rt.prefill, rt.step, rt.verify, rt.accept
+
+    def prefill(ids):
+        logits, hidden = real_prefill(ids)
+        made[len(ids) - 1] = hidden[0, -1].clone()
+        return logits, hidden
+
+    def step(token):
+        prog = real_step(token)
+        made[rt.length - 1] = prog.ws["hidden"][0, 0].clone()
+        return prog
+
+    def verify(tokens):
+        window["start"] = rt.length
+        prog = real_verify(tokens)
+        window["rows"] = prog.ws["hidden"][0].clone()
+        return prog
+
+    def accept(rows):
+        made.update({window["start"] + r: window["rows"][r] for r in range(rows)})
+        real_accept(rows)
+
+    real_take = Pending.take
+
+    def take(self):
+        a = self.first
+        hidden, nxt = real_take(self)
+        taken.append((a, hidden[0].clone(), nxt[0].tolist()))
+        return hidden, nxt
+
+    monkeypatch.setattr(rt, "prefill", prefill)
+    monkeypatch.setattr(rt, "step", step)
+    monkeypatch.setattr(rt, "verify", verify)
+    monkeypatch.setattr(rt, "accept", accept)
+    monkeypatch.setattr(Pending, "take", take)
+    ids = prompts[2]  # a stream (and seed) that runs long enough to draft, greedy or sampled
+    n = dec.new_policy(len(ids)).probe_wait() + 120
+    res = dec.decode(ids, n, sampler=sampler)
+    stats = res.stats.to_json()
+    assert stats["depth_trace"][:6] == [0] * 6 and stats["accepted"] > 0  # plain runs, then windows
+    stream = ids + res.tokens
+    assert max(len(nxt) for _, _, nxt in taken) > 5  # a take spanning a wrapped ring
+    for a, hidden, nxt in taken:
+        assert nxt == stream[a + 1:a + 1 + len(nxt)]
+        for r in range(len(nxt)):
+            assert torch.equal(hidden[r], made[a + r]), (a, r)

@@ -5,8 +5,10 @@ in captured CUDA graphs. Attention's q_len=1 calls do not: the KV length grows e
 the control's attention kernel must see exactly that length to produce the same bits, so the
 program is cut into graph segments around them and those calls run eagerly in between
 (``capture around it``), each after a plain copy of the window's keys and values into the cache at
-the window's start. The rows kept for the MTP head are copied the same way after the last graph.
-One program per window size; on a CPU the same segments run eagerly.
+the window's start. A window's rows kept for the MTP head are copied the same way after the last
+graph; a single step's hidden row goes, inside its last graph, to the state's ring slot of its
+position (a select over the ring, no host-side offset), so a plain step launches nothing eagerly
+beyond attention. One program per window size; on a CPU the same segments run eagerly.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ class WindowProgram:
         dev = model.device
         self.tokens = torch.zeros(1, w, dtype=torch.long, device=dev)
         self.positions = torch.zeros(w, dtype=torch.long, device=dev)
+        if state.ring_hidden is not None:
+            self.ring_slots = torch.arange(state.ring_hidden.shape[0], device=dev)
         self.attn_out = {idx: torch.zeros(1, w, lm.config.num_attention_heads * lm.model.layers[idx].self_attn.head_dim,
                                           dtype=lm.lm_head.weight.dtype, device=dev)
                          for idx in state.attn_layers}
@@ -58,8 +62,10 @@ class WindowProgram:
                 current.append(partial(self._gdn, idx))
         current.append(self._commit_states)
         current.append(self._head)
+        if self.state.row_hidden is not None and self.w == 1:
+            current.append(self._ring_row)
         segments.append(("graph", partial(run_all, current)))
-        if self.state.row_hidden is not None:
+        if self.state.row_hidden is not None and self.w > 1:
             segments.append(("eager", self._keep_rows))
         return segments
 
@@ -119,6 +125,13 @@ class WindowProgram:
         self.ws["hidden"] = hidden
         self.ws["logits"] = L.linear(lm.lm_head, hidden, self.cal)
         self.ws["argmax"] = self.ws["logits"].argmax(-1)
+
+    def _ring_row(self):
+        """A step's hidden row into ring slot position % RING_ROWS, selected on the device (a
+        graph replays it at any position; ``ExactRuntime.flush_rows`` moves it on)."""
+        ring = self.state.ring_hidden
+        here = (self.ring_slots == self.positions.remainder(ring.shape[0])).view(-1, 1)
+        torch.where(here, self.ws["hidden"][0], ring, out=ring)
 
     def _keep_rows(self):
         """Each position's final hidden state and argmax, kept for the MTP head (state.py); eager,

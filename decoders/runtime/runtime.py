@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.gate_up import stack_gate_up as stack_gate_up_weights
-from decoders.runtime.graphs import capture_segments
+from decoders.runtime.graphs import capture_segments, side_stream
 from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
 from decoders.runtime.prefill import choose_prefill, control_forward, prefill_forward
@@ -57,11 +57,12 @@ class ExactRuntime:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # one side stream for every capture's warm-up (graphs.capture_segments: a stream per capture
         # would hold a cuBLAS workspace per capture)
-        self._warmup_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        self._warmup_stream = side_stream(self.device) if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
         self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
         self._rollback_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.length = 0  # tokens whose state is committed
+        self.ring_from = 0  # steps' hidden rows from here to ``length`` are in the ring only (flush_rows)
         self.prefilled = False  # whether a prefill has set the state a step or window continues
         self.last_verify: WindowProgram | None = None  # the window ``accept`` commits rows of
         # the prefill's chunk rule (graphed where proven, prefill.py); None: the control's forward
@@ -134,7 +135,7 @@ class ExactRuntime:
         if self.state.row_hidden is not None:  # the last prompt position's rows, as a step leaves them
             self.state.row_hidden[:, len(prompt_ids) - 1].copy_(hidden[:, -1])
             self.state.row_next[:, len(prompt_ids) - 1].copy_(logits[:, -1].argmax(-1))
-        self.length = len(prompt_ids)
+        self.length = self.ring_from = len(prompt_ids)
         self.prefilled = True
         self.last_verify = None
         return logits[:, -1], hidden
@@ -142,7 +143,7 @@ class ExactRuntime:
     def reset(self) -> None:
         """Forget the committed length and any pending window: the next call must be ``prefill``
         (e.g. after timing steps and windows whose results nobody keeps)."""
-        self.length = 0
+        self.length = self.ring_from = 0
         self.prefilled = False
         self.last_verify = None
 
@@ -157,6 +158,9 @@ class ExactRuntime:
         """Consume one token (device tensor, [1,1] or [1]) at position ``length`` and commit it.
         Returns the program, whose ws holds logits [1,1,V], argmax [1,1] and hidden [1,1,H]."""
         self._check_room(1)
+        ring = self.state.ring_hidden
+        if ring is not None and self.length - self.ring_from >= ring.shape[0]:
+            self.flush_rows()  # the slot this step writes still holds an unflushed row
         prog = self.program(1, capture=False)
         prog.tokens.copy_(token.view(1, 1))
         prog.positions.copy_(self._positions(self.length, 1))
@@ -172,6 +176,7 @@ class ExactRuntime:
         if not 1 <= w <= self.max_window:
             raise ValueError(f"window of {w} tokens outside 1..{self.max_window}")
         self._check_room(w)
+        self.flush_rows()  # the window's rows go straight to row_hidden: the ring must not hold older ones
         prog = self.program(w, capture=True)
         prog.tokens.copy_(tokens.view(1, w))
         prog.positions.copy_(self._positions(self.length, w))
@@ -192,7 +197,22 @@ class ExactRuntime:
         if rows < w:
             self._rollback(prog, rows)
         self.length += rows
+        self.ring_from = self.length
         self.last_verify = None
+
+    def flush_rows(self) -> None:
+        """Copy the steps' hidden rows still only in the ring (positions ring_from..length-1) to
+        ``state.row_hidden``: one copy, two where the ring wraps. Whoever reads row_hidden calls it."""
+        a, b, ring = self.ring_from, self.length, self.state.ring_hidden
+        if ring is None or a >= b:
+            self.ring_from = b
+            return
+        n, s = ring.shape[0], a % ring.shape[0]
+        head = min(b - a, n - s)
+        self.state.row_hidden[0, a:a + head].copy_(ring[s:s + head])
+        if a + head < b:
+            self.state.row_hidden[0, a + head:b].copy_(ring[:b - a - head])
+        self.ring_from = b
 
     def _rollback(self, prog: WindowProgram, rows: int) -> None:
         """Restore the states captured after row rows-1: 2 MB contiguous copies of the recurrent

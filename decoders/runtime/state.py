@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+# the steps whose hidden rows a step's graph holds before they must be copied to ``row_hidden``
+RING_ROWS = 64
+
 
 class StaticState:
     def __init__(self, backbone, capacity: int, max_window: int, device, keep_rows: bool = False):
@@ -44,12 +47,16 @@ class StaticState:
             self.rec[idx] = self.rec_all[slot]
             self.rec_capture[idx] = self.rec_capture_all[slot]
             self.gdn_layers.append(idx)
-        # with keep_rows, every forward leaves each position's final hidden state and argmax here
-        # (what the MTP head consumes), copied in by each window program right after its graphs
-        self.row_hidden = self.row_next = None
+        # with keep_rows, each position's final hidden state and the token after it (what the MTP
+        # head consumes) end up here: a window's program copies its rows in right after its graphs;
+        # a step's graph writes its hidden row into ``ring_hidden`` (slot position % RING_ROWS),
+        # which ``ExactRuntime.flush_rows`` copies over, RING_ROWS steps at a time or when asked;
+        # a step's token is the decoder's to write (it reads it on the host anyway)
+        self.row_hidden = self.row_next = self.ring_hidden = None
         if keep_rows:
             self.row_hidden = torch.zeros(1, capacity, cfg.hidden_size, dtype=dtype, device=device)
             self.row_next = torch.zeros(1, capacity, dtype=torch.long, device=device)
+            self.ring_hidden = torch.zeros(RING_ROWS, cfg.hidden_size, dtype=dtype, device=device)
 
     @torch.no_grad()
     def load_from_cache(self, cache, length: int) -> None:
@@ -67,7 +74,7 @@ class StaticState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Everything a decode carries from one forward to the next (not the capture slots)."""
-        kept = [t for t in (self.row_hidden, self.row_next) if t is not None]
+        kept = [t for t in (self.row_hidden, self.row_next, self.ring_hidden) if t is not None]
         return [*self.keys.values(), *self.values.values(), self.conv_all, self.rec_all, *kept]
 
     def snapshot(self) -> list[torch.Tensor]:
