@@ -37,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from core.errors import UserError
 from core.sampling import candidates, noise_from_keys, position_keys, seed_key
 from decoders.runtime import layers as L
-from decoders.runtime.graphs import capture_segments, run_segments
+from decoders.runtime.graphs import capture_segments, run_segments, side_stream
 from decoders.runtime.sizing import note_build
 
 
@@ -84,7 +84,7 @@ class MTPDrafter:
         # are read only by its own post graph, and no other graph replays between the two
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._warmup_stream = torch.cuda.Stream(dev) if use_graphs else None  # one for all its captures
+        self._warmup_stream = side_stream(dev) if use_graphs else None  # one for all its captures
         hidden_size, width = cfg.hidden_size, cfg.num_attention_heads * attn.head_dim
         # the chained step's static buffers: its output row and draft feed the next step in place
         self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)

@@ -5,14 +5,32 @@ A segment is ``("graph", fn)`` (captured, later replayed) or ``("eager", fn)`` (
 e.g. attention over a KV length that changes every call). Capture needs the segments' lazy
 initialisation and first allocations done beforehand, outside any capture, and on a side stream
 (PyTorch's documented requirement), so every segment is warmed up first, in order.
+
+The side streams a process uses are made once per device (``side_stream``): PyTorch gives every
+stream that runs a GEMM a cuBLAS workspace (32 MiB in the pinned configuration) and does not free
+it with the stream, so a stream per runtime would keep one workspace for every runtime ever built.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable, Sequence
 
 import torch
 
 Segment = tuple[str, Callable[[], None]]
+
+_side_streams: dict[tuple, torch.cuda.Stream] = {}
+
+
+def side_stream(device, name: str = "warmup", priority: int = 0) -> torch.cuda.Stream:
+    """This process's stream ``name`` on ``device`` (made at its first use, then shared by every
+    runtime, drafter and sampler: see the module docstring)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, name, priority)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(torch.device("cuda", index), priority=priority)
+    return _side_streams[key]
 
 
 def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2,
@@ -26,7 +44,7 @@ def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2,
     ``warmup_stream``: the side stream to warm up on, kept by the caller for all its captures:
     PyTorch gives every stream that runs a GEMM its own cuBLAS workspace (32 MiB in the pinned
     configuration), so a new side stream per capture would hold one workspace per capture."""
-    side = warmup_stream if warmup_stream is not None else torch.cuda.Stream()
+    side = warmup_stream if warmup_stream is not None else side_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):
@@ -34,15 +52,24 @@ def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2,
                 fn()
     torch.cuda.current_stream().wait_stream(side)
     graphs: list[torch.cuda.CUDAGraph | None] = []
-    for kind, fn in segments:
-        if kind == "graph":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+    # no garbage collection while capturing: collecting a dead object that holds a CUDA graph
+    # (runtimes hold theirs in reference cycles) destroys that graph, which CUDA refuses during a
+    # capture, and the capture fails
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for kind, fn in segments:
+            if kind == "graph":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    fn()
+                graphs.append(graph)
+            else:
                 fn()
-            graphs.append(graph)
-        else:
-            fn()
-            graphs.append(None)
+                graphs.append(None)
+    finally:
+        if collecting:
+            gc.enable()
     return graphs
 
 

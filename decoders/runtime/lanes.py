@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from decoders.runtime.graphs import side_stream  # one set of streams per process (graphs.py says why)
+
 
 class Lanes:
     def __init__(self, streams: Sequence["torch.cuda.Stream"] = (), main: "torch.cuda.Stream | None" = None):
@@ -33,8 +35,8 @@ class Lanes:
         """Up to ``width`` branches at once on a CUDA device; in order elsewhere."""
         if device.type != "cuda" or width < 2:
             return SERIAL
-        main = torch.cuda.Stream(device, priority=-1) if prioritize else None
-        return cls([torch.cuda.Stream(device) for _ in range(width - 1)], main)
+        main = side_stream(device, "lane-main", priority=-1) if prioritize else None
+        return cls([side_stream(device, f"lane-{k}") for k in range(1, width)], main)
 
     @property
     def width(self) -> int:
