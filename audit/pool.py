@@ -9,7 +9,9 @@ pinned to the same configuration (``core.determinism``, checked against the pare
 same torch thread count, so every logit and result is the same; only the seconds differ.
 
 Memory: each worker loads its own copy of the model (N copies: the audit's own copy of the
-weights is dropped before the workers start). At the 9B shape that is about 19 GB a worker.
+weights is dropped before the workers start). At the 9B shape a worker holds 18.3 GiB, so an
+H200's 140 GiB takes 7 workers; a worker out of device memory fails the replay with one line that
+says so (no traceback: the fix is fewer ``--workers``).
 
 A worker that fails, dies, or sends nothing for ``timeout_s`` while it loads or walks fails the
 replay (``DistError``, one line naming the worker and its prompt) before anything is written,
@@ -98,11 +100,23 @@ def serve(conn, index: int, setup: WorkerSetup) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the replay
         from core.dist import error_text
 
-        print(f"[worker {index}] {''.join(traceback.format_exception(exc)).rstrip()}", file=sys.stderr, flush=True)
+        oom = out_of_memory(exc)
+        if oom is None:  # a bug's traceback, for whoever debugs it
+            print(f"[worker {index}] {''.join(traceback.format_exception(exc)).rstrip()}", file=sys.stderr, flush=True)
         try:
-            conn.send(("error", error_text(exc)))
+            conn.send(("error", error_text(exc)) if oom is None else ("error", oom, "out-of-memory"))
         except OSError:
             pass
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """The first two sentences of a device out-of-memory error (torch's: what ran out, and the
+    allocation that failed), else None."""
+    import torch
+
+    if not isinstance(exc, torch.OutOfMemoryError):
+        return None
+    return ". ".join(" ".join(str(exc).split()).split(". ")[:2]).rstrip(".")
 
 
 # --------------------------------------------------------------------------- the parent side
@@ -249,6 +263,9 @@ class WorkerPool:
                 except (EOFError, OSError):
                     pass  # its end is closed: what it sent is in, and its sentinel says it is gone
             errors = [m for m in got if m[0] == "error"]
+            if errors and errors[0][2:] == ("out-of-memory",):
+                raise self.failure(w, f"{errors[0][1]}: each of the {len(self.workers)} workers holds its own copy "
+                                      f"of {self.setup.model} on {self.setup.device}; use fewer --workers")
             if errors:
                 raise self.failure(w, errors[0][1])
             if got:

@@ -166,12 +166,16 @@ def error_lines(proc) -> list[str]:
               "nothing was written"),
     ("hang", "error: replay worker 1 made no progress for 2 s on prompt 'prose-letter': it hung; nothing was written"),
     ("die", "error: replay worker 1 exited (exit code 3) on prompt 'prose-letter'; nothing was written"),
-], ids=["raise", "hang", "die"])
+    ("oom", "error: replay worker 1 failed while loading the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
+            "each of the 2 workers holds its own copy of tiny on cpu; use fewer --workers; nothing was written"),
+], ids=["raise", "hang", "die", "oom"])
 def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_path, fault, line):
     proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault)
     assert proc.returncode == 2, proc.stderr
     assert error_lines(proc) == [line], proc.stderr
     assert "Traceback" not in proc.stderr.replace("[worker 1] Traceback", "")  # only the worker's own
+    if fault == "oom":  # not a bug: no traceback at all
+        assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
