@@ -45,7 +45,8 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               One GPU call holds one of the two (~300 s each): --configs fs, then --configs inst-0.85
   replay-throughput
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
-              8 prompts x 96 tokens) at --workers 1, 2 and 4 on the one GPU: tokens/s per setting,
+              7 prompts x 96 tokens) at --workers 1, 2, 4 and 7 on the one GPU (7: one prompt each,
+              and the most 9B workers an H200's memory holds): tokens/s per setting,
               and whether the audit.json documents agree (bench/replay_table.py)
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
@@ -142,15 +143,17 @@ def retime_steps(out: Path, configs: list[str]) -> list[Step]:
     return steps
 
 
-# replay throughput: one stream, audited at each worker count; 8 prompts so that 4 workers get 2 each
-REPLAY_WORKERS = (1, 2, 4)
+# replay throughput: one stream, audited at each worker count; 7 prompts, one for each of the 7
+# workers that fit beside each other on an H200 at the 9B shape (18.3 GiB each)
+REPLAY_WORKERS = (1, 2, 4, 7)
+REPLAY_PROMPTS = 7
 
 
 def replay_throughput_steps(out: Path) -> list[Step]:
     stream = out / "stream" / "stream.jsonl"
     steps = [Step("time", (PY, "-m", "harness", "time", "--decoder", "fast-serial", "--model", "synthetic-9b",
-                           "--prompts", "random-512", "--limit", "8", "-n", "96", "--legs", "1", "--force",
-                           "--out", str(stream.parent)), done="replay/stream/stream.jsonl")]
+                           "--prompts", "random-512", "--limit", str(REPLAY_PROMPTS), "-n", "96", "--legs", "1",
+                           "--force", "--out", str(stream.parent)), done="replay/stream/stream.jsonl")]
     # exit 1 = findings (a timing warning turned failure on a noisy host): the table still compares
     steps += [Step(f"audit-w{n}", (PY, "-m", "audit", "replay", str(stream), "--workers", str(n),
                                    "--out", str(out / f"audit-w{n}.json")), ok=(0, 1))
