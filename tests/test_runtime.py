@@ -247,7 +247,7 @@ def check_ring_rows(model, monkeypatch) -> None:
     from decoders.runtime import state as state_mod
 
     monkeypatch.setattr(state_mod, "RING_ROWS", 5)
-    rt = ExactRuntime(model, capacity=96, windows=(1, 3), keep_rows=True)
+    rt = ExactRuntime(model, capacity=96, windows=(1, 2, 3), keep_rows=True)
     dev = model.device
     made = {}
     _, hidden = rt.prefill(list(range(3, 10)))  # 7 positions: the ring's first slot is 7 % 5
@@ -266,8 +266,12 @@ def check_ring_rows(model, monkeypatch) -> None:
     rt.accept(2)
     steps(3)
     rt.flush_rows()
+    start = rt.length
+    window = rt.verify(torch.tensor([[15]], device=dev))  # a window of one row keeps it as windows do
+    made[start] = window.ws["hidden"][0, 0].clone()
+    rt.accept(1)
     steps(4)
     rt.flush_rows()
-    assert rt.ring_from == rt.length == 29
+    assert rt.ring_from == rt.length == 30
     for p in range(6, rt.length):
         assert torch.equal(rt.state.row_hidden[0, p], made[p]), p

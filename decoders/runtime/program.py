@@ -6,7 +6,7 @@ the control's attention kernel must see exactly that length to produce the same 
 program is cut into graph segments around them and those calls run eagerly in between
 (``capture around it``), each after a plain copy of the window's keys and values into the cache at
 the window's start. A window's rows kept for the MTP head are copied the same way after the last
-graph; a single step's hidden row goes, inside its last graph, to the state's ring slot of its
+graph; a plain step's hidden row goes, inside its last graph, to the state's ring slot of its
 position (a select over the ring, no host-side offset), so a plain step launches nothing eagerly
 beyond attention. One program per window size; on a CPU the same segments run eagerly.
 """
@@ -62,10 +62,14 @@ class WindowProgram:
                 current.append(partial(self._gdn, idx))
         current.append(self._commit_states)
         current.append(self._head)
-        if self.state.row_hidden is not None and self.w == 1:
+        # the kept rows: a plain step's (one row, no states captured for rollback) through the
+        # ring inside its graph, a window's copied eagerly after it
+        keeps = self.state.row_hidden is not None
+        plain_step = self.w == 1 and not self.capture_states
+        if keeps and plain_step:
             current.append(self._ring_row)
         segments.append(("graph", partial(run_all, current)))
-        if self.state.row_hidden is not None and self.w > 1:
+        if keeps and not plain_step:
             segments.append(("eager", self._keep_rows))
         return segments
 

@@ -55,8 +55,7 @@ class ExactRuntime:
         self.eager_rows_on_lanes = True
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # one side stream for every capture's warm-up (graphs.capture_segments: a stream per capture
-        # would hold a cuBLAS workspace per capture)
+        # the process's side stream for every capture's warm-up (graphs.side_stream says why one)
         self._warmup_stream = side_stream(self.device) if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
         self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
