@@ -37,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from core.errors import UserError
 from core.sampling import candidates, noise_from_keys, position_keys, seed_key
 from decoders.runtime import layers as L
-from decoders.runtime.graphs import capture_segments, run_segments, side_stream
+from decoders.runtime.graphs import capture_segments, run_segments
 from decoders.runtime.sizing import note_build
 
 
@@ -84,7 +84,6 @@ class MTPDrafter:
         # are read only by its own post graph, and no other graph replays between the two
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._warmup_stream = side_stream(dev) if use_graphs else None  # one for all its captures
         hidden_size, width = cfg.hidden_size, cfg.num_attention_heads * attn.head_dim
         # the chained step's static buffers: its output row and draft feed the next step in place
         self.in_hidden = torch.zeros(1, 1, hidden_size, dtype=dtype, device=dev)
@@ -186,7 +185,7 @@ class MTPDrafter:
         """(segments, graphs): pre and post captured as CUDA graphs in the drafter's pool on the
         GPU (graphs None elsewhere: the functions run eagerly); attention stays eager between
         them, its KV length and mask change every call."""
-        return segments, (capture_segments(segments, self.pool, warmup_stream=self._warmup_stream)
+        return segments, (capture_segments(segments, self.pool)
                           if self.pool is not None else None)
 
     def _run(self, graphed, start: int) -> None:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from core.sampling import Sampler, pick_from_keys, pick_rows_from_keys, position_keys, seed_key
-from decoders.runtime.graphs import capture_segments, side_stream
+from decoders.runtime.graphs import capture_segments
 
 
 def device_seed(seed: int) -> int:
@@ -88,7 +88,6 @@ class TargetPicks:
     def __init__(self, device, use_graphs: bool, max_settings: int = 4):
         self.device = device
         self.use_graphs = use_graphs
-        self.warmup_stream = side_stream(device) if use_graphs else None  # one for all its captures
         self.max_settings = max_settings
         self.sampler: Sampler | None = None
         self.seed_key = 0  # core.sampling.seed_key of the bound sampler's seed
@@ -176,6 +175,6 @@ class TargetPicks:
                 else:
                     out[r].copy_(pick_at(sampler, logits[0, r], keys))
 
-            graph = capture_segments([("graph", pick)], self.pool, warmup_stream=self.warmup_stream)[0]
+            graph = capture_segments([("graph", pick)], self.pool)[0]
             held = graphs[(id(prog), r)] = (graph, logits.data_ptr(), prog)
         return held[0]

@@ -34,17 +34,15 @@ def side_stream(device, name: str = "warmup", priority: int = 0) -> torch.cuda.S
 
 
 def capture_segments(segments: Sequence[Segment], pool, warmups: int = 2,
-                     stream: torch.cuda.Stream | None = None,
-                     warmup_stream: torch.cuda.Stream | None = None) -> list[torch.cuda.CUDAGraph | None]:
+                     stream: torch.cuda.Stream | None = None) -> list[torch.cuda.CUDAGraph | None]:
     """Run the segments in order ``warmups`` times on a side stream, then capture each "graph"
     segment in ``pool`` and run each "eager" one in between (so a later graph captures the
     buffers its eager predecessor writes). Returns one graph per segment, None for eager ones.
     ``stream``: the stream to capture on (its priority is the captured kernels' priority on
     replay: PyTorch instantiates graphs with per-node priorities); default PyTorch's own.
-    ``warmup_stream``: the side stream to warm up on, kept by the caller for all its captures:
-    PyTorch gives every stream that runs a GEMM its own cuBLAS workspace (32 MiB in the pinned
-    configuration), so a new side stream per capture would hold one workspace per capture."""
-    side = warmup_stream if warmup_stream is not None else side_stream(torch.cuda.current_device())
+    The warm-up runs on this process's side stream of the current device (``side_stream``), the
+    device every capture runs on."""
+    side = side_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):

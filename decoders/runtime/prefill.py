@@ -93,7 +93,7 @@ class ScanGraphs:
     outputs are contiguous, and so is the rule's padded output. Off a GPU the same buffers and
     views serve a plain call in place of each graph (what the CPU tests exercise)."""
 
-    def __init__(self, config, max_chunks: int, device, warmup_stream=None):
+    def __init__(self, config, max_chunks: int, device):
         heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
         rows = max_chunks * CHUNK
         f32 = dict(dtype=torch.float32, device=device)
@@ -103,7 +103,7 @@ class ScanGraphs:
                                          ("decay", 1), ("out", v_dim))}
         self.state = torch.zeros(1, heads, k_dim, v_dim, **f32)
         self.pool = torch.cuda.graph_pool_handle() if torch.device(device).type == "cuda" else None
-        self.graphs = {n: self._capture(n, warmup_stream) for n in range(1, max_chunks + 1)}
+        self.graphs = {n: self._capture(n) for n in range(1, max_chunks + 1)}
 
     def views(self, n: int) -> dict[str, torch.Tensor]:
         heads, k_dim, v_dim = self.shapes
@@ -113,7 +113,7 @@ class ScanGraphs:
         return {name: self.flat[name][:heads * rows * (dim[2] if len(dim) == 3 else 1)].view(1, *dim)
                 for name, dim in dims.items()}
 
-    def _capture(self, n: int, warmup_stream):
+    def _capture(self, n: int):
         v = self.views(n)
 
         def run():
@@ -123,7 +123,7 @@ class ScanGraphs:
 
         if self.pool is None:
             return EagerReplay(run)
-        return capture_segments([("graph", run)], self.pool, warmup_stream=warmup_stream)[0]
+        return capture_segments([("graph", run)], self.pool)[0]
 
     def __call__(self, query, key, value, beta, decay):
         """``padded_rule`` by replay: the inputs are copied in, the output is a view of a shared
@@ -228,7 +228,7 @@ def prefill_forward(text_model, ids: torch.Tensor, padded=padded_rule):
     return text_model.norm(hidden), cache
 
 
-def choose_prefill(model, capacity: int, use_graphs: bool, warmup_stream=None):
+def choose_prefill(model, capacity: int, use_graphs: bool):
     """The padded chunk rule a runtime's prefill uses, each choice proven at start-up against the
     control's forward (``prove``): the graphed scan where graphs are in use, else the eager rule
     (proven once per loaded model), else None, the control's own forward. Returns (rule, how)."""
@@ -239,8 +239,7 @@ def choose_prefill(model, capacity: int, use_graphs: bool, warmup_stream=None):
     failures = []
     if use_graphs:
         try:
-            scan = ScanGraphs(config, min(-(-capacity // CHUNK), MAX_GRAPHED_CHUNKS), text.embed_tokens.weight.device,
-                              warmup_stream)
+            scan = ScanGraphs(config, min(-(-capacity // CHUNK), MAX_GRAPHED_CHUNKS), text.embed_tokens.weight.device)
         except RuntimeError as e:  # a capture the device refuses
             failures.append(f"graphed scan: capture failed ({e})")
         else:

@@ -150,11 +150,11 @@ class WindowProgram:
         """Every segment called eagerly (what the graphs replay; profiling reads these kernels)."""
         run_segments(self.segments, None)
 
-    def capture(self, pool, start: int, warmup_stream=None) -> None:
+    def capture(self, pool, start: int) -> None:
         """Capture the graph segments at positions start..start+w-1 (GPU only; graphs.py)."""
         self.start = start
         self.positions.copy_(torch.arange(start, start + self.w, device=self.positions.device))
-        self.graphs = capture_segments(self.segments, pool, stream=self.lanes.main, warmup_stream=warmup_stream)
+        self.graphs = capture_segments(self.segments, pool, stream=self.lanes.main)
 
     def run(self, start: int) -> None:
         """Forward the rows already in ``self.tokens`` at positions start..start+w-1."""

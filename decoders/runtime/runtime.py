@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from decoders.runtime.calibration import Calibration, calibrate
 from decoders.runtime.gate_up import stack_gate_up as stack_gate_up_weights
-from decoders.runtime.graphs import capture_segments, side_stream
+from decoders.runtime.graphs import capture_segments
 from decoders.runtime.lanes import SERIAL, Lanes
 from decoders.runtime.layers import Constants
 from decoders.runtime.prefill import choose_prefill, control_forward, prefill_forward
@@ -55,8 +55,6 @@ class ExactRuntime:
         self.eager_rows_on_lanes = True
         self.programs: dict[tuple[int, bool], WindowProgram] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # the process's side stream for every capture's warm-up (graphs.side_stream says why one)
-        self._warmup_stream = side_stream(self.device) if self.use_graphs else None
         self._rec_live = [self.state.rec[i] for i in self.state.gdn_layers]
         self._rec_caps = [self.state.rec_capture[i] for i in self.state.gdn_layers]
         self._rollback_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -65,7 +63,7 @@ class ExactRuntime:
         self.prefilled = False  # whether a prefill has set the state a step or window continues
         self.last_verify: WindowProgram | None = None  # the window ``accept`` commits rows of
         # the prefill's chunk rule (graphed where proven, prefill.py); None: the control's forward
-        self.prefill_rule, self.prefill_how = choose_prefill(model, capacity, self.use_graphs, self._warmup_stream)
+        self.prefill_rule, self.prefill_how = choose_prefill(model, capacity, self.use_graphs)
         for w in windows:
             self.program(w, capture=w > 1)
 
@@ -103,7 +101,7 @@ class ExactRuntime:
                 # capturing runs the forward eagerly to warm up, which writes state: keep the live
                 # state intact for a program built mid-decode
                 saved = self.state.snapshot()
-                prog.capture(self.pool, start=0, warmup_stream=self._warmup_stream)
+                prog.capture(self.pool, start=0)
                 self.state.restore(saved)
             self.programs[key] = prog
         return self.programs[key]
@@ -228,8 +226,7 @@ class ExactRuntime:
         key = (prog.w, rows)
         if key not in self._rollback_graphs:
             # its copies only move data between static buffers, so the warm-up run is a rollback too
-            self._rollback_graphs[key] = capture_segments([("graph", copies)], self.pool, warmups=1,
-                                                          warmup_stream=self._warmup_stream)[0]
+            self._rollback_graphs[key] = capture_segments([("graph", copies)], self.pool, warmups=1)[0]
         self._rollback_graphs[key].replay()
 
     def _positions(self, start: int, w: int) -> torch.Tensor:
