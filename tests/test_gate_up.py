@@ -61,6 +61,28 @@ def test_stacking_moves_the_storage_and_keeps_each_parameter(tiny):
     assert all(again[i].data_ptr() == buffers[i].data_ptr() for i in buffers)
 
 
+@pytest.mark.parametrize("load_inference", [False, True])
+@pytest.mark.parametrize("prepare_inference", [False, True])
+def test_a_model_loaded_or_decoded_under_inference_mode_decodes_as_the_control(load_inference, prepare_inference):
+    """A user's ``with torch.inference_mode():`` around loading or decoding: weights made there are
+    inference tensors, and their moved halves must stay so (an inference Parameter pointed at an
+    ordinary tensor can run no forward)."""
+    from decoders.serial import SerialDecoder
+    from decoders.spec import SpecDecoder
+
+    with torch.inference_mode(load_inference):
+        model = load_model("tiny", "cpu")
+    prompt = [5, 6, 7, 8]
+    with torch.inference_mode(prepare_inference):
+        decoded = []
+        for make in (SerialDecoder, FastSerialDecoder, SpecDecoder):
+            decoder = make()
+            decoder.prepare(model)
+            decoded.append(decoder.decode(prompt, 12).tokens)
+    assert decoded[1] == decoded[0] and decoded[2] == decoded[0]
+    assert all(g.is_inference() == load_inference for g, _ in weights(model.backbone))
+
+
 @pytest.mark.parametrize("which", ["tiny", "small"])
 def test_the_serial_control_is_unchanged_by_the_stacking(which, tiny, small):
     """The control on one model shared with a runtime (as in ``harness time``): its logits after a

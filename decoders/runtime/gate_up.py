@@ -61,11 +61,13 @@ def stacked_weight(mlp) -> torch.Tensor | None:
 
 def move_into_one_buffer(mlp) -> torch.Tensor:
     """Copy both weights into one new buffer and point each Parameter at its half (``.data``:
-    the Parameter objects, their values and requires_grad stay). Outside inference mode, so the
-    Parameters remain ordinary tensors (HF's forward may still run under autograd)."""
+    the Parameter objects, their values and requires_grad stay). The buffer is an inference tensor
+    exactly when the weights are (a model loaded under ``torch.inference_mode``), whatever mode
+    the caller is in: ordinary weights stay usable under autograd, and an inference Parameter
+    pointed at an ordinary tensor could no longer run a forward."""
     g, u = mlp.gate_proj.weight, mlp.up_proj.weight
     n = g.shape[0]
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(g.is_inference()), torch.no_grad():
         buf = torch.empty((2 * n, g.shape[1]), dtype=g.dtype, device=g.device)
         buf[:n].copy_(g)
         buf[n:].copy_(u)
