@@ -14,6 +14,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               stream and lanes), draft step and prefill
   table       bench/spec_bench.py: the standard synthetic-9b configurations, each against the control
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
+  targets     bench/spec_bench.py on synthetic-9b, issue 28's rows, each side by side against
+              fast-serial: the instrument at alpha 0.6, 0.7 (256 new tokens) and 0.85 (512), spec's
+              random head (3 legs), and small's real acceptance traces (held-out, dev) replayed at the
+              9B shape; 4 prompts; then one audit of every stream with 4 workers
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
               GPU: fast-serial and spec against the control, and spec side by side against fast-serial
   context     bench/context_bench.py on synthetic-9b: decode ms/token and peak memory against context
@@ -91,6 +95,12 @@ TABLE_CONFIGS = ("fast-serial", "spec-naive", "spec", "inst-0.6", "inst-0.85", "
 SMALL_CONFIGS = ("fast-serial", "spec", "spec@fs")
 # spec with a head that predicts nothing is within a few percent of fast-serial: one leg is noise
 LEGS = {"spec@fs": 3}
+# issue 28's rows, each side by side against fast-serial: the instrument at three acceptance levels,
+# spec's random head, and small's real acceptance (held-out and dev traces) replayed at the 9B shape
+TRACES_9B = ("bench/runs/2026-12-01-h200-real-acceptance/small-heldout.json",
+             "bench/runs/2026-12-01-h200-real-acceptance/small-dev.json")
+TARGET_CONFIGS = ("inst-0.6@fs", "inst-0.7@fs", "inst-0.85@fs", "spec@fs", *(f"inst-trace:{t}@fs" for t in TRACES_9B))
+TARGET_NEW = {"inst-0.85@fs": 512}  # the issue's alpha-0.85 row is 512 new tokens; the others 256
 
 
 @dataclass(frozen=True)
@@ -103,16 +113,20 @@ class Step:
     ok: tuple[int, ...] = (0,)
 
 
-def spec_bench_steps(out: str, configs: list[str], common: list[str]) -> list[Step]:
-    """One spec_bench call per configuration (so each has its own log and timeout), then one audit
-    of every stream in the directory (each distinct prompt replayed once), then the table."""
-    steps = [Step(f"bench-{c.replace('@', '_at_')}",
+def spec_bench_steps(out: str, configs: list[str], common: list[str], new_tokens: dict | None = None,
+                     workers: int = 1) -> list[Step]:
+    """One spec_bench call per configuration (so each has its own log and timeout; ``new_tokens``:
+    a configuration's own -n), then one audit of every stream in the directory (each distinct
+    prompt replayed once, by ``workers`` processes), then the table."""
+    new_tokens = new_tokens or {}
+    steps = [Step(f"bench-{c.replace('@', '_at_').replace('/', '_')}",
                   (PY, "bench/spec_bench.py", "--out", out, *common, "--no-audit", "--configs", c,
-                   "--legs", str(LEGS.get(c, 1))),
-                  done=f"{Path(out).name}/{c}/stream.jsonl")
+                   "--legs", str(LEGS.get(c, 1)), *(("-n", str(new_tokens[c])) if c in new_tokens else ())),
+                  done=f"{Path(out).name}/{c.replace('/', '_').replace(':', '_')}/stream.jsonl")
              for c in configs]
     # exit 1 = findings (spec-naive is not exact, by design): the table shows them
-    steps.append(Step("audit", ("sh", "-c", f'{PY} -m audit replay "{out}"/*/stream.jsonl'), ok=(0, 1)))
+    steps.append(Step("audit", ("sh", "-c", f'{PY} -m audit replay --workers {workers} "{out}"/*/stream.jsonl'),
+                      ok=(0, 1)))
     steps.append(Step("table", (PY, "bench/spec_bench.py", "--out", out, "--table-only")))
     return steps
 
@@ -219,6 +233,10 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return spec_bench_steps(str(out / "table"), configs or list(TABLE_CONFIGS),
                                 ["--model", "synthetic-9b", "--prompts", "random-512", "--limit", "4", "-n", "256",
                                  "--shortlist", SHORTLIST_9B])
+    if name == "targets":
+        return spec_bench_steps(str(out / "targets"), configs or list(TARGET_CONFIGS),
+                                ["--model", "synthetic-9b", "--prompts", "random-512", "--limit", "4", "-n", "256",
+                                 "--shortlist", SHORTLIST_9B], new_tokens=TARGET_NEW, workers=4)
     if name == "small-real":
         return spec_bench_steps(str(out / "small-real"), configs or list(SMALL_CONFIGS),
                                 ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
@@ -255,11 +273,11 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
+SETS = ("runtime", "probe", "profile", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b",
         "replay-throughput",
         "cpu-verify", "retime-null", "tests-cuda", "suite")
-CONFIGURABLE = {"table": TABLE_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
+CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
 
 
 def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | None, float]:
@@ -322,7 +340,7 @@ def main() -> int:
     ap.add_argument("set", nargs="?", choices=SETS, metavar="SET", help=f"one of: {', '.join(SETS)}")
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
-                    help="table / small-real / retime-9b: a comma-separated subset of the configurations")
+                    help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations")
     ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="limit per step")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
     ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz", help="pack --out into one file at the end")

@@ -41,10 +41,11 @@ BASE = {
     "spec-naive": ["--decoder", "spec-naive"],
     "spec": ["--decoder", "spec"],
     "inst-0.6": ["--decoder", "spec-instrument", "--decoder-arg", "alpha=0.6"],
+    "inst-0.7": ["--decoder", "spec-instrument", "--decoder-arg", "alpha=0.7"],
     "inst-0.85": ["--decoder", "spec-instrument", "--decoder-arg", "alpha=0.85"],
     "inst-0.95": ["--decoder", "spec-instrument", "--decoder-arg", "alpha=0.95"],
 }
-SHORTLISTED = {"spec", "inst-0.6", "inst-0.85", "inst-0.95"}
+SHORTLISTED = {"spec", "inst-0.6", "inst-0.7", "inst-0.85", "inst-0.95"}
 # NAME@fs: the same candidate timed side by side against fast-serial (harness time --control)
 DEFAULT_CONFIGS = [*BASE, *(f"{n}@fs" for n in sorted(SHORTLISTED))]
 TRACE = "inst-trace:"
