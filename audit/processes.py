@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -40,7 +41,9 @@ BUSY_COLUMNS = (0, 1, 2, 5, 6)
 # seconds between two questions to the GPU driver: a context that lives this long is seen; each
 # question costs nvidia-smi's start, tens of ms of CPU that count as other work on both sides alike
 GPU_POLL_S = 1.0
-GPU_QUERY = ["nvidia-smi", "--query-compute-apps=pid,process_name", "--format=csv,noheader"]
+# per process holding a compute context: its pid, GPU, memory (MiB) and name (last: it may hold commas)
+GPU_QUERY = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"]
+MIB = 1 << 20
 GPU_QUERY_TIMEOUT_S = 20.0
 
 
@@ -246,6 +249,21 @@ def wait_ns(pids: list[int]) -> int | None:
     return total
 
 
+def peak_rss(tree: ProcessTree | None) -> int | None:
+    """The peak resident memory of ``tree``'s processes, in bytes: each one's high-water mark
+    (/proc/PID/status ``VmHWM``), summed. None without /proc or without a tree."""
+    if tree is None or not tree_control():
+        return None
+    total = 0
+    for pid in [tree.pid] + tree.members(parent_table()):
+        try:
+            with open(PROC / str(pid) / "status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def cpu_sample(tree: ProcessTree | None) -> tuple[int, int, int | None] | None:
     """(machine busy ticks, ``tree``'s ticks, ``tree``'s wait in ns); two of them, around a leg,
     give ``leg_cpu``. None without /proc or without a tree."""
@@ -288,20 +306,31 @@ while True:
 """ % GPU_QUERY_TIMEOUT_S
 
 
-def read_gpu_answer(answer: dict) -> dict[int, str] | str:
-    """One poller line: pid -> name of every process holding a compute context on a GPU, or why
-    that could not be read."""
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process holding a compute context, as the driver names it."""
+
+    name: str
+    gpu: str  # the GPU's UUID
+    used_bytes: int | None  # None where the driver cannot say (``[N/A]``)
+
+
+def read_gpu_answer(answer: dict) -> dict[int, GpuProcess] | str:
+    """One poller line: pid -> ``GpuProcess`` of every process holding a compute context on a GPU,
+    or why that could not be read."""
     if "error" in answer:
         return str(answer["error"])
     if answer.get("rc") != 0:
         return f"nvidia-smi exited {answer.get('rc')}: {(answer.get('err') or answer.get('out') or '').strip()[:200]}"
     out = {}
     for line in str(answer.get("out", "")).splitlines():
-        pid, _, name = line.partition(",")
-        if pid.strip().isdigit():
-            out[int(pid)] = name.strip()
-        elif line.strip():
-            return f"nvidia-smi gave no process id: {line.strip()[:200]!r}"
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",", 3)]
+        if len(fields) < 4 or not fields[0].isdigit():
+            return f"nvidia-smi gave no process id, GPU, memory and name: {line.strip()[:200]!r}"
+        pid, gpu, used, name = fields
+        out[int(pid)] = GpuProcess(name, gpu, int(used) * MIB if used.isdigit() else None)
     return out
 
 
@@ -311,7 +340,11 @@ class GpuWatch:
     descendants (its workers, their processes, the orphans it adopted). Start it before the
     workers. The audit holds a context itself while it watches (its replay model is on the GPU): a
     list without its own pid is not in this system's process ids (a container, say), and then
-    nothing is judged (``unmeasured`` says why, as it does when the driver cannot be asked)."""
+    nothing is judged (``unmeasured`` says why, as it does when the driver cannot be asked).
+
+    Once the workers run (``assign``: each side's process tree), every answer is also read per side:
+    ``peak_bytes`` the most GPU memory a side's processes held together in one answer, ``gpus`` the
+    GPUs (UUIDs) they held contexts on. The candidate's tree holds the orphans the audit adopted."""
 
     def __init__(self, poll_s: float = GPU_POLL_S, query: list[str] | None = None):
         self.poll_s, self.query = poll_s, list(query or GPU_QUERY)
@@ -319,8 +352,13 @@ class GpuWatch:
         self.foreign: dict[int, str] = {}
         self.samples = 0
         self.unmeasured: str | None = None
+        self.trees: dict[str, ProcessTree] = {}  # role -> its side's processes, once assigned
+        self.peak_bytes: dict[str, int] = {}
+        self.memory_unknown: set[str] = set()  # sides the driver gave no memory figure for
+        self.gpus: dict[str, set[str]] = {}
         self.poller: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def start(self) -> "GpuWatch":
         self.poller = subprocess.Popen([sys.executable, "-c", POLLER, str(self.poll_s), *self.query],
@@ -328,6 +366,11 @@ class GpuWatch:
         self._thread = threading.Thread(target=self._read, args=(self.poller.stdout,), name="gpu-watch", daemon=True)
         self._thread.start()
         return self
+
+    def assign(self, trees: dict[str, ProcessTree]) -> None:
+        """From now on, read each answer per side: role -> that side's process tree."""
+        with self._lock:
+            self.trees = dict(trees)
 
     def stop(self) -> None:
         """Ends the poller after one more answer (what ran since the last one), then reads the rest."""
@@ -359,7 +402,7 @@ class GpuWatch:
             self.look(found, before)
             before = self.ours()
 
-    def look(self, found: dict[int, str] | str, before: set[int]) -> None:
+    def look(self, found: dict[int, GpuProcess] | str, before: set[int]) -> None:
         if self.unmeasured is not None:
             return
         if isinstance(found, str):
@@ -370,10 +413,35 @@ class GpuWatch:
                                "process id: its ids are not this system's")
             return
         ours = before | self.ours()
-        for pid, name in found.items():
+        for pid, proc in found.items():
             if pid not in ours:
-                self.foreign.setdefault(pid, name)
+                self.foreign.setdefault(pid, proc.name)
+        self.per_side(found)
         self.samples += 1
+
+    def per_side(self, found: dict[int, GpuProcess]) -> None:
+        """One answer's memory and GPUs, summed per side (a side: its worker and the members of its
+        process tree, ``ProcessTree.members``)."""
+        with self._lock:
+            trees = dict(self.trees)
+        if not trees:
+            return
+        table = parent_table() if tree_control() else {}
+        sides = {tree.pid: role for role, tree in trees.items()}
+        for role, tree in trees.items():
+            sides.update({pid: role for pid in tree.members(table)} if table else {})
+        used: dict[str, int] = {}
+        for pid, proc in found.items():
+            role = sides.get(pid)
+            if role is None:
+                continue
+            self.gpus.setdefault(role, set()).add(proc.gpu)
+            if proc.used_bytes is None:
+                self.memory_unknown.add(role)
+            else:
+                used[role] = used.get(role, 0) + proc.used_bytes
+        for role, total in used.items():
+            self.peak_bytes[role] = max(self.peak_bytes.get(role, 0), total)
 
     def ours(self) -> set[int]:
         if not tree_control():

@@ -12,6 +12,7 @@ import click
 from core.schema import LEG_SPREAD_LIMIT, write_json_atomic
 
 from audit import checks
+from audit.interval import interval, significant
 from audit.replay import NOT_PICK, Divergence, PromptReplay
 from audit.stream import BadInput
 
@@ -87,8 +88,11 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
     failed = any(f["severity"] == "fail" for f in findings)
     instrument = run.header["candidate"].get("instrument") is True
     exact = replayed is not None and not any(f["check"] in checks.EXACTNESS_CHECKS for f in findings)
+    low, high, coverage, how = interval([e["ratio"] for e in per_prompt.values() if e["ratio"] is not None])
+    # a median the stream's own prompts cannot tell from 1 scores nothing, as in audit retime
     claimed_score = checks.score(median, f_mem, params["s_max"], params["kappa"],
-                                 failed or instrument or run.header["control"].get("name") != "serial")
+                                 failed or instrument or run.header["control"].get("name") != "serial"
+                                 or not significant(low))
     consistent = not any(f["severity"] == "fail" and f["check"] in checks.CONSISTENCY_CHECKS for f in findings)
     return {
         "schema": SCHEMA,
@@ -108,6 +112,10 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
         # the median ratio may be noise (a warning: verdict and score do not depend on it)
         "unstable": checks.run_unstable(run.prompts),
         "median_ratio": median,
+        # the median's distribution-free interval over the stream's prompts (audit.interval): a
+        # claimed score only when its bottom lies above 1
+        "claimed_interval": {"low": low, "high": high, "confidence": coverage, "how": how,
+                             "significant": significant(low)},
         "f_mem": f_mem,
         # peaks are each side's own: raw allocator peak less the other decoder's resident bytes
         # when the header records them (resident_bytes, null otherwise)
@@ -181,6 +189,7 @@ def render_table(doc: dict) -> str:
     lines.append(f"claimed (in-process timing): median ratio {fmt_ratio(doc['median_ratio'])}  f_mem {doc['f_mem']:.3f}  "
                  f"score {doc['claimed_score']:.4f}  (S_max {sp['s_max']:g}, kappa {sp['kappa']:g}, "
                  f"mem allowance {sp['mem_allowance']:g}); the verified score is audit retime's")
+    lines.append(f"claimed interval: {interval_line(doc['claimed_interval'])}")
     unstable = len({f["prompt_id"] for f in doc["findings"] if f["check"] == "unstable"})
     if unstable:
         lines.append(f"WARNING: {unstable} of {len(doc['prompts'])} prompts have unstable legs (spread > "
@@ -191,6 +200,14 @@ def render_table(doc: dict) -> str:
                  f"consistent: {'yes' if doc['consistent'] else 'NO'}  candidate: {doc['candidate']}"
                  + ("  (instrument: never scored)" if doc["instrument"] else ""))
     return "\n".join(lines)
+
+
+def interval_line(ci: dict) -> str:
+    """The median's interval and whether it lets a score be given."""
+    if ci["low"] is None:
+        return f"{ci['how']}: no score"
+    told = "above 1" if ci["significant"] else "not above 1: no score"
+    return f"[{ci['low']:.3f}, {ci['high']:.3f}] ({ci['how']}), {told}"
 
 
 def finding_lines(findings: list[dict]) -> list[str]:

@@ -14,7 +14,9 @@ reach the timing or the other side. Protocol, one JSON object per line:
            audit holds against the stream's header; on a setup failure print ``{"error": "..."}``
            and exit 2.
   request  stdin ``{"prompt_ids": [...], "max_new_tokens": N}`` -> stdout ``{"tokens": [...]}``,
-           written once the decode returned and the device is synchronised; a request that
+           written once the decode returned and the device is synchronised, on CUDA with
+           ``"alloc_retries"``: how often the caching allocator had to free its cache and retry
+           during the decode (the audit holds the control's to account); a request that
            fails gets ``{"error": "..."}`` and the worker goes on. Every decode is under the
            ``--sampling`` sampler (default greedy), as ``harness time --sampling`` decodes.
   prepare  stdin ``{"prepare_prompt": [...], "max_new_tokens": N}`` -> ``{"prepared": true}``: a
@@ -94,13 +96,23 @@ def serve(channel, model, decoder, continues: ContinueCounter, sampler: Sampler 
                 reply(channel, {"prepared": True}, continues)
                 continue
             ids, n = request["prompt_ids"], request["max_new_tokens"]
+            retries = alloc_retries(model.device)
             tokens = [int(t) for t in decoder.decode(list(ids), int(n), **kwargs).tokens]
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
+            extra = {} if retries is None else {"alloc_retries": alloc_retries(model.device) - retries}
         except Exception as exc:  # noqa: BLE001 - the caller judges a failed request; this process stays up
             reply(channel, {"error": f"{type(exc).__name__}: {exc}"}, continues)
             continue
-        reply(channel, {"tokens": tokens}, continues)
+        reply(channel, {"tokens": tokens, **extra}, continues)
+
+
+def alloc_retries(device) -> int | None:
+    """How often the CUDA caching allocator has had to free its cache and retry a device allocation
+    in this process (None off CUDA): a decode that needed it ran short of device memory."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

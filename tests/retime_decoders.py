@@ -345,3 +345,53 @@ class SerialSpeed(SerialDecoder):
         result = super().decode(prompt_ids, max_new_tokens)
         time.sleep(self.slow * (time.perf_counter() - t0))
         return result
+
+
+class LeavesGpuWork(SerialDecoder):
+    """Serial decoding, the control's own speed, that in a retime's worker leaves ``burn_s`` seconds
+    of matrix products queued on its GPU behind every answer: once its tokens are known it queues
+    them on a stream of its own and keeps its worker's synchronisation from waiting for them
+    (``torch.cuda.synchronize`` made a no-op in its process). Stopping its worker stops its CPU,
+    not that queue: unless the audit waits for the GPU, the products run while the control is
+    timed, which then shares the GPU and looks slower. Elsewhere (``harness time``) and off CUDA
+    it is plain serial decoding."""
+
+    name = "leaves-gpu-work"
+
+    def __init__(self, burn_s: float = 1.0, size: int = 16384):
+        super().__init__()
+        self.burn_s, self.size = burn_s, size
+        self.products = 0
+        self.side = None
+
+    def config(self) -> dict:
+        return {"burn_s": self.burn_s, "size": self.size}
+
+    def prepare(self, model) -> None:
+        import torch
+
+        super().prepare(model)
+        if model.device.type != "cuda" or not in_retime_worker():
+            return
+        self.a = torch.randn(self.size, self.size, device=model.device, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.a)
+        self.side = torch.cuda.Stream(model.device)
+        torch.matmul(self.a, self.a, out=self.out)
+        torch.cuda.synchronize(model.device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch.matmul(self.a, self.a, out=self.out)
+        torch.cuda.synchronize(model.device)
+        self.products = max(1, round(self.burn_s / ((time.perf_counter() - t0) / 20)))
+        torch.cuda.synchronize = lambda device=None: None  # the worker's wait after a decode, undone
+
+    def decode(self, prompt_ids, max_new_tokens, **kwargs) -> DecodeResult:
+        import torch
+
+        result = super().decode(prompt_ids, max_new_tokens, **kwargs)
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(self.a.device))
+            with torch.cuda.stream(self.side):
+                for _ in range(self.products):
+                    torch.matmul(self.a, self.a, out=self.out)
+        return result

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from audit.processes import GpuWatch, read_gpu_answer
+from audit.processes import GpuProcess, GpuWatch, read_gpu_answer
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="process trees are read from /proc")
 
@@ -26,18 +26,20 @@ def watched(query: list[str]) -> GpuWatch:
 
 
 def test_the_driver_answer_is_read_or_said_unreadable():
-    assert read_gpu_answer({"rc": 0, "out": "502, python\n546, /usr/bin/python3\n", "err": ""}) == {
-        502: "python", 546: "/usr/bin/python3"}
+    assert read_gpu_answer({"rc": 0, "out": "502, GPU-a, 10, python\n546, GPU-a, 20, /usr/bin/python3\n", "err": ""}) == {
+        502: GpuProcess("python", "GPU-a", 10 << 20), 546: GpuProcess("/usr/bin/python3", "GPU-a", 20 << 20)}
     assert read_gpu_answer({"rc": 0, "out": "", "err": ""}) == {}
     assert read_gpu_answer({"rc": 9, "out": "", "err": "NVIDIA-SMI has failed\n"}).startswith("nvidia-smi exited 9")
-    assert "no process id" in read_gpu_answer({"rc": 0, "out": "[N/A], python\n", "err": ""})
+    assert "no process id" in read_gpu_answer({"rc": 0, "out": "[N/A], GPU-a, 10, python\n", "err": ""})
+    assert "no process id" in read_gpu_answer({"rc": 0, "out": "502, python\n", "err": ""})
     assert read_gpu_answer({"error": "nvidia-smi is not installed"}) == "nvidia-smi is not installed"
 
 
 def test_only_processes_out_of_the_audits_tree_are_foreign():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        watch = watched(lister(f"{os.getpid()}, audit", f"{child.pid}, worker", "1, init"))
+        watch = watched(lister(f"{os.getpid()}, GPU-a, 100, audit", f"{child.pid}, GPU-a, 100, worker",
+                               "1, GPU-a, 100, init"))
     finally:
         child.kill()
         child.wait()
@@ -46,7 +48,7 @@ def test_only_processes_out_of_the_audits_tree_are_foreign():
 
 
 def test_a_list_without_the_audit_is_not_judged():
-    watch = watched(lister("1, init", "2, other"))
+    watch = watched(lister("1, GPU-a, 100, init", "2, GPU-a, 100, other"))
     assert watch.foreign == {} and "lacks the audit's own process id" in watch.unmeasured
 
 

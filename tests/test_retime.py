@@ -307,14 +307,14 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
     import audit.retime.command
 
     monkeypatch.setattr(audit.retime.command, "watches_gpu", lambda device: True)
-    listing = [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", f"{os.getpid()}, audit"]
+    listing = [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", f"{os.getpid()}, GPU-a, 100, audit"]
     monkeypatch.setattr(audit.processes, "GPU_QUERY", listing)
     _, doc = run_retime(fast_serial_stream, "--prompts", str(FRESH))
     assert doc["gpu_processes"]["samples"] >= 1 and doc["gpu_processes"]["unmeasured"] is None
     assert doc["gpu_processes"]["foreign"] == [] and not findings(doc, "gpu-shared")
     assert not findings(doc, "worker-processes")  # the audit's poller is no worker's orphan
 
-    monkeypatch.setattr(audit.processes, "GPU_QUERY", [*listing, "1, miner"])
+    monkeypatch.setattr(audit.processes, "GPU_QUERY", [*listing, "1, GPU-a, 100, miner"])
     result, doc = run_retime(fast_serial_stream, "--prompts", str(FRESH))
     (f,) = findings(doc, "gpu-shared")
     assert f["severity"] == "fail" and f["pids"] == [1] and result.exit_code == 1

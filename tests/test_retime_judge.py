@@ -9,6 +9,7 @@ from math import comb
 
 import pytest
 
+from audit.interval import MIN_PROMPTS, order_rank
 from audit.retime import judge
 from audit.stream import PromptRun
 
@@ -33,8 +34,8 @@ def test_a_clear_speed_up_scores_by_its_median(monkeypatch):
 @pytest.mark.parametrize("n", range(1, 31))
 def test_the_order_statistics_cover_the_median_at_95_percent(n):
     """k is the largest rank whose exact binomial coverage reaches 95%; none exists under 6."""
-    rank = judge.order_rank(n)
-    if n < judge.MIN_PROMPTS:
+    rank = order_rank(n)
+    if n < MIN_PROMPTS:
         assert rank is None
         return
     k, coverage = rank

@@ -19,12 +19,15 @@ from audit.pool import PoolOptions, replay_walker
 from audit.replay import replay_run
 from audit.report import divergence_findings, write_document
 from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings,
-                                 header_findings, process_findings, stop_findings, too_noisy, verified_figures)
+                                 header_findings, process_findings, stop_findings, too_noisy, verified_figures,
+                                 withheld_reasons)
 from audit.retime.document import Outcome, build_document, gpu_document, render_table
 from audit.retime.fresh import Draw, NoFreshPrompts, fresh_prompts
 from audit.retime.load import load_findings
 from audit.retime.measure import Measured, Measurement, PerfClock, Progress, time_looks
 from audit.retime.provenance import control_code, control_code_findings, sandbox_findings
+from audit.retime.quiet import CudaProbe, GpuBusy, NoProbe, Quiet
+from audit.retime.resources import gpu_device_findings, lingering_findings, memory_figures, squeeze_findings
 from audit.retime.workers import WorkerError, recorded_sides, start_workers
 from audit.stream import BadInput, Run, load_run, resolve_stream_path
 
@@ -50,6 +53,7 @@ class RetimeOptions:
     fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
     s_max: float = 0.95
     kappa: float = 2.0
+    mem_allowance: float = 1.2  # candidate/control peak memory allowed before the score is cut
     workers: int = 1  # processes that replay the retimed legs on the one device (audit.pool)
 
 
@@ -127,8 +131,9 @@ def finish(ctx: Context, outcome: Outcome) -> int:
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_FAIL
 
 
-def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Measured, GpuWatch | None, object]:
-    """Both workers started, every look timed; a worker that fails on a fresh prompt is a finding."""
+def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Measured, GpuWatch | None, object, dict]:
+    """Both workers started, every look timed; a worker that fails on a fresh prompt, or a GPU that
+    never goes quiet, is a finding. Between requests both workers are stopped."""
     log(f"retiming {ctx.run.header['candidate']['name']} vs {ctx.run.header['control']['name']} on "
         f"{len(draw.first)} fresh prompts x {ctx.opts.legs} legs, N={ctx.max_new_tokens}, {ctx.device}: "
         f"{draw.source['how']}")
@@ -141,12 +146,15 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     provenance = control_code(sides, control_pycache)
     findings += control_code_findings(provenance)
     was_reaper = set_subreaper(True)
+    clock = PerfClock()
+    quiet = device_quiet(ctx.device, clock)  # its solo probe timed before any worker holds the GPU
     gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
     audit_continues = ContinueCounter().install()
-    clock = PerfClock()
     try:
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
                                 positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache)
+        if gpu is not None:
+            gpu.assign({role: w.tree for role, w in workers.items()})
         findings += sandbox_findings(workers["candidate"].launch.sandbox)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
@@ -155,12 +163,16 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
         progress = Progress(0 if disagree_fails(disagree) else 2 * ctx.opts.legs * len(draw.first), clock)
         # the decoder's own word on whether it is an instrument, not the header's
         m = Measurement(workers, ctx.max_new_tokens, ctx.opts.legs, ctx.warmup_tokens, clock,
-                        instrument=workers["candidate"].instrument, progress=progress)
+                        instrument=workers["candidate"].instrument, progress=progress, quiet=quiet)
         try:
+            for w in workers.values():  # each runs only while it is timed
+                w.pause()
             if not disagree_fails(disagree):
                 time_looks(m, (draw.first, draw.second), measured, falls_short(ctx.claimed["ratio"]))
         except WorkerError as exc:  # the decoder failed on a fresh prompt: a finding, not bad input
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
+        except GpuBusy as exc:
+            findings.append(checks.finding("gpu-busy", "fail", None, f"{exc}: no leg can be timed fairly on it"))
         finally:
             progress.close()
             for w in workers.values():
@@ -172,7 +184,16 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
             gpu.stop()
         if was_reaper is False:
             set_subreaper(False)
-    return workers, measured, gpu, provenance
+    return workers, measured, gpu, provenance, quiet.describe()
+
+
+def device_quiet(device: str, clock) -> Quiet | NoProbe:
+    """On a GPU, the probe that tells when it is idle (``audit.retime.quiet``), timed alone now."""
+    if not str(device).startswith("cuda"):
+        return NoProbe()
+    quiet = Quiet(CudaProbe(device), clock)
+    log(f"the GPU's idle probe takes {quiet.calibrate() * 1e3:.2f} ms alone")
+    return quiet
 
 
 def longest_request(draw: Draw, max_new_tokens: int) -> int:
@@ -182,12 +203,15 @@ def longest_request(draw: Draw, max_new_tokens: int) -> int:
 
 
 def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) -> int:
-    workers, measured, gpu, provenance = measure(ctx, sides, draw, findings)
+    workers, measured, gpu, provenance, quiet = measure(ctx, sides, draw, findings)
     header = ctx.run.header
     findings += process_findings(workers)
     findings += gpu_findings(gpu)
+    findings += gpu_device_findings(gpu)
     findings += stop_findings(measured.timed)
     timed = measured.timed
+    findings += lingering_findings(timed)
+    findings += squeeze_findings(timed)
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
     with replay_walker(model, ctx.model_spec, ctx.device, PoolOptions(workers=ctx.opts.workers), log) as walker:
@@ -204,7 +228,9 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     findings += [noisy_finding(claim[0], provisional)] if noisy else claim
     failed = any(f["severity"] == "fail" for f in findings)
     disqualified = failed or noisy or instrument or header["control"].get("name") != "serial"
-    verified = verified_figures(timed, disqualified, ctx.opts.s_max, ctx.opts.kappa)
+    memory = memory_figures(timed, gpu, ctx.opts.mem_allowance)
+    verified = verified_figures(timed, disqualified, ctx.opts.s_max, ctx.opts.kappa, memory["f_mem"],
+                                withheld_reasons(findings, memory))
     verdict = "fail" if failed else ("pass" if verified["ratio"] is not None and not noisy else "unverified")
     reason = ("no prompt was timed" if verified["ratio"] is None else
               "the machine was too noisy to verify the claim" if noisy else None)
@@ -214,7 +240,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
                                verified=verified, instrument=instrument, fresh=[fp for fp, _ in measured.ran],
                                timed=timed, exact={p.id: not replayed[p.id].divergences for p in timed},
                                remeasured=measured.remeasured, second_look=measured.second_look,
-                               gpu_processes=gpu_document(gpu),
+                               gpu_processes=gpu_document(gpu), memory=memory, quiet=quiet,
                                control_code=provenance.summary() if provenance is not None else None,
                                sandbox=(workers["candidate"].launch.sandbox.describe()
                                         if workers["candidate"].launch.sandbox else None),

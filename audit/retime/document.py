@@ -42,13 +42,15 @@ class Outcome:
     control_code: dict | None = None  # core.provenance's summary (None: not checked)
     sandbox: dict | None = None  # the candidate's sandbox (None: --no-sandbox, or no worker ran)
     isolation: dict | None = None  # role -> how that side was frozen while the other was timed
+    memory: dict | None = None  # each side's peak memory, from outside (audit.retime.resources)
+    quiet: dict | None = None  # the GPU's idle probe (audit.retime.quiet; None on a CPU)
 
 
 def gpu_document(gpu: GpuWatch | None) -> dict | None:
     if gpu is None:
         return None
     return {"samples": gpu.samples, "foreign": [{"pid": pid, "name": name} for pid, name in sorted(gpu.foreign.items())],
-            "unmeasured": gpu.unmeasured}
+            "unmeasured": gpu.unmeasured, "gpus": {role: sorted(ids) for role, ids in sorted(gpu.gpus.items())}}
 
 
 def prompt_entry(fp: FreshPrompt, p: PromptRun, o: Outcome) -> dict:
@@ -97,6 +99,10 @@ def build_document(o: Outcome) -> dict:
         "sandbox": o.sandbox,
         # per side: frozen by its cgroup v2 (and pinned, where cpusets are delegated), or by signals
         "isolation": o.isolation,
+        # each side's peak memory measured from outside its process, and the verified f_mem
+        "memory": o.memory,
+        # on a GPU: the probe that waits for it to be idle before each leg and after each answer
+        "gpu_quiet": o.quiet,
         "findings": o.findings,
     }
 
@@ -133,6 +139,25 @@ def prompt_rows(doc: dict) -> list[str]:
     return lines
 
 
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+def resource_lines(doc: dict) -> list[str]:
+    """Each side's memory from outside, and the GPU's idle probe."""
+    out = []
+    mem = doc.get("memory")
+    if mem:
+        out.append(f"memory: control {gib(mem['control_peak_bytes'])}, candidate {gib(mem['candidate_peak_bytes'])}"
+                   + (f" ({mem['ratio']:.2f}x, f_mem {mem['f_mem']:.3f}; {mem['measured']})" if mem["measured"]
+                      else " (not measured)"))
+    quiet = doc.get("gpu_quiet")
+    if quiet:
+        out.append(f"GPU idle before every leg and after every answer: {quiet['probes']} probes of "
+                   f"{quiet['solo_ms']:.2f} ms alone (quiet at most {quiet['slack']}x that, {quiet['runs']} in a row)")
+    return out
+
+
 def summary_lines(doc: dict) -> list[str]:
     v, claimed = doc["verified"], doc["claimed"]["ratio"]
     if v is None:
@@ -140,9 +165,10 @@ def summary_lines(doc: dict) -> list[str]:
                 f"({doc['unverified_reason'] or 'the retime did not measure'})"]
     ci = ("no interval" if v["ci_low"] is None else
           f"{v['confidence']:.1%} interval [{v['ci_low']:.3f}, {v['ci_high']:.3f}]")
+    withheld = [f"score withheld: {why}" for why in v.get("withheld") or ()]
     return [f"verified median ratio {fmt_ratio(v['ratio'])}  {ci}  "
             f"score {v['score']:.4f}  ({v['prompts']} fresh prompts, N={doc['max_new_tokens']}, "
-            f"{doc['legs']} legs per side; interval: {v['interval']})",
+            f"{doc['legs']} legs per side; interval: {v['interval']})", *withheld,
             f"claimed median ratio {fmt_ratio(claimed)} (in-process, the stream's {doc['claimed']['prompts']} "
             "prompts): quote the verified figure"]
 
@@ -167,6 +193,7 @@ def render_table(doc: dict) -> str:
             f"{len(gpu['foreign'])} out of the audit's reach"))
     lines.append(f"candidate sandbox: {sandbox_line(doc.get('sandbox'))}; idle side: "
                  f"{isolation_line(doc.get('isolation'))}; control code: {control_code_line(doc.get('control_code'))}")
+    lines += resource_lines(doc)
     lines += finding_lines(doc["findings"])
     lines.append("")
     lines += summary_lines(doc)

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import json
 
-from scipy import stats
-
 from core.sampling import GREEDY
 from core.schema import ROLES
 
 from audit import checks
+from audit.interval import CONFIDENCE, MIN_PROMPTS, interval, significant
 from audit.processes import GpuWatch
 from audit.stream import PromptRun, header_sampler
 
@@ -48,9 +47,6 @@ CLAIM_MARGIN = 0.35
 # it would fail is judged "too noisy to verify" (UNVERIFIED, no score) rather than false. Honest
 # tiny retimes on a loaded 2-core CPU spanned 1.1x to 2.0x (bench/NOTES.md, 2026-12-02 CPU).
 NOISY_SPAN = 1.5
-# the interval's least coverage, and the fewest prompts that reach it (1 - 2 * 0.5**6 = 96.9%)
-CONFIDENCE = 0.95
-MIN_PROMPTS = 6
 # the header facts a worker re-derives from the decoder itself
 HEADER_FACTS = ("name", "config", "instrument")
 
@@ -69,42 +65,40 @@ def prompt_ratios(timed: list[PromptRun]) -> list[float]:
     return [r for r in (verified_ratio(p) for p in timed) if r is not None]
 
 
-def order_rank(n: int) -> tuple[int, float] | None:
-    """(k, coverage): the largest k for which the k-th smallest and k-th largest of n independent
-    draws enclose their distribution's median with probability ``coverage`` >= CONFIDENCE
-    (1 - 2 P(Binomial(n, 1/2) < k)); None under MIN_PROMPTS, where no such pair exists."""
-    best = None
-    for k in range(1, n // 2 + 1):
-        coverage = 1 - 2 * float(stats.binom.cdf(k - 1, n, 0.5))
-        if coverage >= CONFIDENCE:
-            best = (k, coverage)
-    return best
-
-
-def interval(ratios: list[float]) -> tuple[float | None, float | None, float | None, str]:
-    """(low, high, coverage, how) for the median of ``ratios``: distribution-free, from order
-    statistics; (None, None, None, why) for fewer than MIN_PROMPTS ratios."""
-    n = len(ratios)
-    rank = order_rank(n)
-    if rank is None:
-        return None, None, None, (f"nothing: {n} prompt(s); a {CONFIDENCE:.0%} interval for a median needs "
-                                  f"{MIN_PROMPTS}")
-    k, coverage = rank
-    xs = sorted(ratios)
-    return xs[k - 1], xs[n - k], coverage, (f"order statistics {k} and {n + 1 - k} of the {n} prompts' ratios "
-                                            f"(distribution-free, {coverage:.1%} coverage)")
-
-
-def verified_figures(timed: list[PromptRun], disqualified: bool, s_max: float, kappa: float) -> dict:
+def verified_figures(timed: list[PromptRun], disqualified: bool, s_max: float, kappa: float, f_mem: float = 1.0,
+                     withheld: tuple[str, ...] = ()) -> dict:
+    """The verified ratio, its interval and the score: ``S_max * (1 - exp(-(m - 1) / kappa)) * f_mem``,
+    0 when ``disqualified``, when the interval does not lie above 1, and while anything the score
+    rests on is ``withheld`` (``score_withheld``: why the retime cannot stand behind a score)."""
     ratios = prompt_ratios(timed)
     m = checks.median_ratio(ratios)
     low, high, coverage, how = interval(ratios)
     # a speed-up the interval cannot tell from none (its bottom at or below 1) scores 0: a decoder
     # at serial speed gets no score from noise that lifts its median above 1
-    significant = low is not None and low > 1
+    told = significant(low)
     return {"ratio": m, "ci_low": low, "ci_high": high, "confidence": coverage, "interval": how,
-            "prompts": len(ratios), "f_mem": 1.0, "significant": significant,
-            "score": checks.score(m, 1.0, s_max, kappa, disqualified or not significant)}
+            "prompts": len(ratios), "f_mem": f_mem, "significant": told, "withheld": list(withheld),
+            "score": checks.score(m, f_mem, s_max, kappa, disqualified or not told or bool(withheld))}
+
+
+# what a verified score rests on, and the finding that says it is missing
+SCORE_RESTS_ON = {
+    "candidate-not-sandboxed": "the candidate's worker ran outside a sandbox: it could read the audit's memory "
+                               "(the secret seed), the auditor's files, or reach the control's worker",
+    "control-code-unchecked": "the control's code was not proven unchanged against git HEAD or RECORD",
+    "gpu-unmeasured": "the driver could not say which processes used the GPU, or how much memory each side held",
+}
+
+
+def withheld_reasons(findings: list[dict], memory: dict) -> tuple[str, ...]:
+    """Why the retime cannot stand behind a score although nothing failed: a precondition of the
+    verified score (``SCORE_RESTS_ON``) that this machine or these options did not give, or memory
+    that was not measured."""
+    checks_found = {f["check"] for f in findings}
+    out = [why for check, why in SCORE_RESTS_ON.items() if check in checks_found]
+    if memory.get("measured") is None and not any(c == "gpu-unmeasured" for c in checks_found):
+        out.append("neither side's memory was measured")
+    return tuple(out)
 
 
 def too_noisy(low: float | None, high: float | None) -> bool:

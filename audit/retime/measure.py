@@ -16,11 +16,12 @@ from core.schema import ROLES, abba_roles
 
 from audit import checks
 from audit.pipeline import log
-from audit.processes import cpu_sample, leg_cpu
+from audit.processes import cpu_sample, leg_cpu, peak_rss
 from audit.report import fmt_ratio
 from audit.retime.fresh import FreshPrompt
 from audit.retime.judge import verified_ratio
 from audit.retime.load import describe_load, leg_walls, loaded_against_control, others_load, waited
+from audit.retime.quiet import NoProbe, Quiet
 from audit.retime.workers import WorkerError
 from audit.stream import PromptRun
 
@@ -81,6 +82,7 @@ class Measurement:
     clock: Clock
     instrument: bool = False  # the candidate says it is one: it gets its untimed per-prompt preparation
     progress: Progress | None = None
+    quiet: Quiet | NoProbe = field(default_factory=NoProbe)  # the GPU's idle wait (a CPU: none)
 
 
 @dataclass
@@ -97,12 +99,19 @@ class Measured:
 
 
 def request(m: Measurement, role: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float, list[int], dict]:
-    """(t_start, t_end, tokens, measures): the audit's clock around one request to ``role`` and
-    its answer, the other side stopped meanwhile; ``measures`` what other work took meanwhile
-    (``audit.processes.leg_cpu``), and how often another process stopped and continued the timed
-    worker (since its last request) or the audit (``continued_by_others``, ``audit_continued``)."""
-    other, timed = m.workers[checks.other_role(role)], m.workers[role]
-    other.pause()
+    """(t_start, t_end, tokens, measures): the audit's clock around one request to ``role`` and its
+    answer. Between requests both sides are stopped: the GPU is quiet (``audit.retime.quiet``)
+    before the side is resumed and the clock starts, and once it has answered and is stopped again,
+    the time the GPU stays busy with work it left behind is its own: ``t_end`` is its answer plus
+    that time (``gpu_after_s``). ``measures``: what other work took meanwhile
+    (``audit.processes.leg_cpu``), how often another process stopped and continued the timed
+    worker (since its last request) or the audit (``continued_by_others``, ``audit_continued``),
+    the GPU's wait before the leg (``gpu_before_s``), the side's peak resident memory so far
+    (``peak_rss_bytes``, where /proc tells) and what its worker says of its allocator
+    (``alloc_retries``)."""
+    timed = m.workers[role]
+    gpu_before = m.quiet.wait()
+    timed.resume()
     try:
         before = cpu_sample(timed.tree)
         audit_before = timed.audit_continues.count
@@ -113,9 +122,24 @@ def request(m: Measurement, role: str, prompt_ids: list[int], max_new_tokens: in
         audit_continued = timed.audit_continues.count - audit_before
         after = cpu_sample(timed.tree)
     finally:
-        other.resume()
-    return t0, t1, tokens, {**leg_cpu(before, after), "continued_by_others": timed.continues_by_others(),
-                            "audit_continued": audit_continued}
+        timed.pause()
+    gpu_after = m.quiet.wait()
+    return t0, t1 + gpu_after, tokens, {
+        **leg_cpu(before, after), "continued_by_others": timed.continues_by_others(),
+        "audit_continued": audit_continued, "gpu_before_s": gpu_before, "gpu_after_s": gpu_after,
+        "peak_rss_bytes": peak_rss(timed.tree), "alloc_retries": getattr(timed, "alloc_retries", None)}
+
+
+def prepare(m: Measurement, fp: FreshPrompt) -> None:
+    """An instrument's untimed per-prompt preparation, resumed and stopped as a request is."""
+    candidate = m.workers["candidate"]
+    m.quiet.wait()
+    candidate.resume()
+    try:
+        candidate.prepare_prompt(fp.token_ids, m.max_new_tokens)
+    finally:
+        candidate.pause()
+    m.quiet.wait()
 
 
 def time_prompt(m: Measurement, fp: FreshPrompt, origin: float, opens: str = "control") -> PromptRun:
@@ -128,7 +152,7 @@ def time_prompt(m: Measurement, fp: FreshPrompt, origin: float, opens: str = "co
             if m.warmup_tokens:
                 request(m, role, fp.warmup_ids, m.warmup_tokens)
         if m.instrument:
-            m.workers["candidate"].prepare_prompt(fp.token_ids, m.max_new_tokens)
+            prepare(m, fp)
         p = PromptRun(fp.id, 0, fp.token_ids, warmup_ids=fp.warmup_ids)
         seen = {role: 0 for role in ROLES}
         for order, role in enumerate(abba_roles(m.legs, opens)):

@@ -133,6 +133,7 @@ class Worker:
         # orphans go with the candidate: the control is the audit's own decoder, which starts none
         self.tree = ProcessTree(self.proc.pid, adopts_orphans=role == "candidate")
         self.ready: dict | None = None
+        self.alloc_retries: int | None = None  # what its last answer said of its allocator
         self.killed_at_close = 0
 
     def pause(self) -> None:
@@ -205,9 +206,14 @@ class Worker:
             raise WorkerError(f"the {self.role}'s worker exited (code {self.proc.wait()}); its stderr is above") from None
 
     def tokens(self) -> list[int]:
-        tokens = self.read().get("tokens")
+        """The answer's token ids; ``alloc_retries`` keeps what it says of its allocator (None
+        where it says nothing, off CUDA)."""
+        answer = self.read()
+        tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not all(checks.is_int(t) for t in tokens):
             raise WorkerError(f"the {self.role}'s worker answered without a list of token ids")
+        retries = answer.get("alloc_retries")
+        self.alloc_retries = retries if checks.is_int(retries) else None
         return tokens
 
     def close(self) -> None:
