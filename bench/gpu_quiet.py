@@ -32,7 +32,8 @@ BUSY = r"""
 import sys, time, torch
 how, dev = sys.argv[1], torch.device(sys.argv[2])
 if how in ("matmul", "left"):
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16); out = torch.empty_like(a)
+    size = 16384 if how == "left" else 8192  # few launches for seconds of work: the queue holds them all
+    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16); out = torch.empty_like(a)
     step = lambda: torch.matmul(a, a, out=out)
 elif how == "copy":
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev); b = torch.empty_like(a)

@@ -47,6 +47,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               then a `fast-serial` stream and an instrument (alpha 0.85) stream, each made by
               `harness time` and retimed on 6 fresh prompts; the table of claimed and verified ratios.
               One GPU call holds one of the two (~300 s each): --configs fs, then --configs inst-0.85
+  quiet       the retime's GPU idle probe (bench/gpu_quiet.py: alone, beside another process's
+              products, copies and tiny kernels, and after a stopped process's queued work), then
+              `audit retime` of a decoder at serial speed that leaves a second of GPU work behind
+              every answer (tests/retime_decoders.py LeavesGpuWork) on `tiny`, 6 fresh prompts
   replay-throughput
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               7 prompts x 96 tokens) at --workers 1, 2, 4 and 7 on the one GPU (7: one prompt each,
@@ -140,6 +144,19 @@ SANDBOX_CUDA = ("import subprocess, sys; from audit import sandbox; "
 RETIME_9B = {"fs": ("--decoder", "fast-serial"),
              "inst-0.85": ("--decoder", "spec-instrument", "--decoder-arg", "alpha=0.85",
                            "--decoder-arg", f"shortlist={SHORTLIST_9B}")}
+
+
+def quiet_steps(out: Path) -> list[Step]:
+    stream = out / "leaves-gpu-work" / "stream.jsonl"
+    plugin = "PYTHONPATH=tests"  # the plug-in lives with the tests
+    return [Step("probe", (PY, "bench/gpu_quiet.py", "--json", str(out / "gpu-quiet.json"))),
+            Step("time", ("sh", "-c", f"{plugin} {PY} -m harness time --decoder retime_decoders:LeavesGpuWork "
+                                      f"--model tiny --device cuda --limit 3 -n 64 --legs 2 --force "
+                                      f"--out {stream.parent}")),
+            # exit 1 = findings: the table shows them
+            Step("retime", ("sh", "-c", f"{plugin} {PY} -m audit retime {stream} --trust-plugin --prompts 6"),
+                 ok=(0, 1)),
+            Step("table", (PY, "bench/retime_table.py", str(stream.parent / "retime.json")))]
 
 
 def retime_steps(out: Path, configs: list[str]) -> list[Step]:
@@ -259,6 +276,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return retime_steps(out / "retime", configs or list(RETIME_9B))
     if name == "replay-throughput":
         return replay_throughput_steps(out / "replay")
+    if name == "quiet":
+        return quiet_steps(out / "quiet")
     if name == "cpu-verify":
         return [Step("retimes", (PY, "bench/cpu_verify.py", "retimes", "--out", str(out / "retimes"), "--jobs", "4"),
                      ok=(0, 1)),
@@ -274,7 +293,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
 
 
 SETS = ("runtime", "probe", "profile", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
-        "sampling-exact-9b", "retime-9b",
+        "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
         "cpu-verify", "retime-null", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}

@@ -96,7 +96,8 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 def retime(records: list[dict], control_s: float, candidate_s, peaks: dict | None = None) -> None:
     """A consistent forgery (or a steady candidate): every leg gets a fixed wall time
-    (``candidate_s`` may also map a leg number to its time), laid out back to back in the order
+    (``candidate_s`` may also map a leg number to its time, or be a function of the leg record),
+    laid out back to back in the order
     legs ran; summaries and the end's median are recomputed the harness's way. ``peaks``
     optionally sets peak_mem_bytes per role. Edits ``records`` in place; reseal when writing."""
     import statistics
@@ -106,7 +107,8 @@ def retime(records: list[dict], control_s: float, candidate_s, peaks: dict | Non
     t = 1.0
     for r in records:
         if r["type"] == "leg":
-            cand = candidate_s[r["leg"]] if isinstance(candidate_s, dict) else candidate_s
+            cand = (candidate_s[r["leg"]] if isinstance(candidate_s, dict) else
+                    candidate_s(r) if callable(candidate_s) else candidate_s)
             r["t_start"] = t
             r["t_end"] = t + (control_s if r["role"] == "control" else cand)
             r["wall_s"] = r["t_end"] - r["t_start"]

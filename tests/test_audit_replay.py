@@ -19,7 +19,8 @@ from audit_helpers import (copy_stream, edit, find_leg, findings, legs_of, promp
 
 TOP_KEYS = {"schema", "stream", "stream_sha256", "verdict", "exact", "replayed", "consistent", "score", "claimed_score",
             "score_params",
-            "unstable", "median_ratio", "f_mem", "memory", "replay", "model", "header_model", "candidate", "instrument",
+            "unstable", "median_ratio", "claimed_interval", "f_mem", "memory", "replay", "model", "header_model",
+            "candidate", "instrument",
             "reference", "prompts", "findings"}
 PROMPT_KEYS = {"id", "exact", "tokens", "ratio", "harness_ratio", "control_median_s", "candidate_median_s",
                "control_peak_bytes", "candidate_peak_bytes", "first_divergence", "warm_leg_flag", "leg_spread"}
@@ -33,6 +34,12 @@ def clean_stream(tmp_path_factory):
 @pytest.fixture
 def stream(clean_stream, tmp_path):
     return copy_stream(clean_stream, tmp_path / "run")
+
+
+@pytest.fixture(scope="session")
+def six_prompts(tmp_path_factory):
+    """Six prompts: the fewest whose median ratio has a 95% interval, which a claimed score needs."""
+    return run_harness(tmp_path_factory.mktemp("six") / "run", "serial", limit=6, n=4, legs=2)
 
 
 def fails(doc):
@@ -68,8 +75,9 @@ def test_clean_serial_run_passes(stream):
     assert "verdict: PASS" in result.stdout and "prose" in result.stdout
 
 
-def test_faster_candidate_is_scored_with_memory(stream):
-    """A consistent, faster run with measured memory: the score follows the formula."""
+def test_faster_candidate_is_scored_with_memory(six_prompts, tmp_path):
+    """A consistent, faster run with measured memory on six prompts: the score follows the formula."""
+    stream = copy_stream(six_prompts, tmp_path / "run")
     edit(stream, lambda recs: retime(recs, 1.0, 0.4, peaks={"control": 1000, "candidate": 1800}))
     result, doc = run_audit(stream)
     assert result.exit_code == 0, result.output
@@ -78,7 +86,28 @@ def test_faster_candidate_is_scored_with_memory(stream):
     assert doc["memory"] == {"control_peak_bytes": 1000, "candidate_peak_bytes": 1800, "ratio": pytest.approx(1.8),
                              "resident_bytes": None}
     assert doc["f_mem"] == pytest.approx(1.2 / 1.8)
+    assert doc["claimed_interval"]["significant"] and doc["claimed_interval"]["low"] == pytest.approx(2.5)
     assert doc["score"] == pytest.approx(0.95 * (1 - math.exp(-(m - 1) / 2.0)) * 1.2 / 1.8)
+
+
+def test_a_speed_up_the_prompts_cannot_tell_from_none_is_not_scored(six_prompts, stream, tmp_path):
+    """The claimed score follows the retime's rule: a median above 1 whose interval over the
+    stream's prompts reaches 1 or below scores nothing, and so does a stream of fewer than 6
+    prompts, however fast."""
+    six = copy_stream(six_prompts, tmp_path / "six")
+    ids = prompt_ids(read_records(six))
+    # the candidate twice as fast on four prompts, slower on two: median 2, interval [0.8, 2]
+    times = {pid: (0.5 if i < 4 else 1.25) for i, pid in enumerate(ids)}
+
+    edit(six, lambda recs: retime(recs, 1.0, lambda leg: times[leg["prompt_id"]]))
+    result, doc = run_audit(six)
+    assert doc["median_ratio"] > 1 and doc["claimed_interval"]["low"] <= 1 and not doc["claimed_interval"]["significant"]
+    assert doc["score"] == 0 and "not above 1: no score" in result.stdout
+
+    edit(stream, lambda recs: retime(recs, 1.0, 0.1))  # ten times as fast, on two prompts
+    result, doc = run_audit(stream)
+    assert doc["median_ratio"] == pytest.approx(10.0) and doc["score"] == 0 and result.exit_code == 0
+    assert doc["claimed_interval"]["low"] is None and "needs 6: no score" in result.stdout
 
 
 def test_peaks_exclude_the_other_decoders_resident_bytes(stream):
