@@ -117,6 +117,7 @@ def main() -> int:
     left = [left_behind(args.device, quiet, s) for s in (0.5, 2.0)]
     out = {"solo_s": solo, "slack": QUIET_SLACK, "rows": rows, "left_behind": left}
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
     print(f"\nprobe alone (median of calibration): {solo * 1e3:.2f} ms; quiet at most {QUIET_SLACK}x")
     print("| beside | median ms | slowest ms | median / alone | share of probes quiet |")

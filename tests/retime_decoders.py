@@ -348,24 +348,25 @@ class SerialSpeed(SerialDecoder):
 
 
 class LeavesGpuWork(SerialDecoder):
-    """Serial decoding, the control's own speed, that in a retime's worker leaves ``burn_s`` seconds
-    of matrix products queued on its GPU behind every answer: once its tokens are known it queues
-    them on a stream of its own and keeps its worker's synchronisation from waiting for them
-    (``torch.cuda.synchronize`` made a no-op in its process). Stopping its worker stops its CPU,
-    not that queue: unless the audit waits for the GPU, the products run while the control is
-    timed, which then shares the GPU and looks slower. Elsewhere (``harness time``) and off CUDA
-    it is plain serial decoding."""
+    """Serial decoding, the control's own speed, that in a retime's worker leaves GPU work queued
+    behind every answer: once its tokens are known it queues ``burn`` times its own decode's time
+    of matrix products on a low-priority stream and keeps its worker's synchronisation from
+    waiting for them (``torch.cuda.synchronize`` made a no-op in its process). It decodes on a
+    high-priority stream, so its own next decode runs ahead of what it left. Stopping its worker
+    stops its CPU, not that queue: unless the audit waits for the GPU, the products run while the
+    control is timed, which then shares the GPU and looks slower. Elsewhere (``harness time``) and
+    off CUDA it is plain serial decoding."""
 
     name = "leaves-gpu-work"
 
-    def __init__(self, burn_s: float = 1.0, size: int = 16384):
+    def __init__(self, burn: float = 1.0, size: int = 8192):
         super().__init__()
-        self.burn_s, self.size = burn_s, size
-        self.products = 0
+        self.burn, self.size = burn, size
+        self.product_s = 0.0
         self.side = None
 
     def config(self) -> dict:
-        return {"burn_s": self.burn_s, "size": self.size}
+        return {"burn": self.burn, "size": self.size}
 
     def prepare(self, model) -> None:
         import torch
@@ -375,23 +376,27 @@ class LeavesGpuWork(SerialDecoder):
             return
         self.a = torch.randn(self.size, self.size, device=model.device, dtype=torch.bfloat16)
         self.out = torch.empty_like(self.a)
-        self.side = torch.cuda.Stream(model.device)
+        # a lower number runs first; 0 is the lowest priority, one out of range the nearest valid
+        self.side = torch.cuda.Stream(model.device, priority=0)
+        self.own = torch.cuda.Stream(model.device, priority=-100)
         torch.matmul(self.a, self.a, out=self.out)
         torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
         for _ in range(20):
             torch.matmul(self.a, self.a, out=self.out)
         torch.cuda.synchronize(model.device)
-        self.products = max(1, round(self.burn_s / ((time.perf_counter() - t0) / 20)))
+        self.product_s = (time.perf_counter() - t0) / 20
         torch.cuda.synchronize = lambda device=None: None  # the worker's wait after a decode, undone
 
     def decode(self, prompt_ids, max_new_tokens, **kwargs) -> DecodeResult:
         import torch
 
-        result = super().decode(prompt_ids, max_new_tokens, **kwargs)
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(self.a.device))
-            with torch.cuda.stream(self.side):
-                for _ in range(self.products):
-                    torch.matmul(self.a, self.a, out=self.out)
+        if self.side is None:
+            return super().decode(prompt_ids, max_new_tokens, **kwargs)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.own):
+            result = super().decode(prompt_ids, max_new_tokens, **kwargs)
+        with torch.cuda.stream(self.side):
+            for _ in range(max(1, round(self.burn * (time.perf_counter() - t0) / self.product_s))):
+                torch.matmul(self.a, self.a, out=self.out)
         return result
