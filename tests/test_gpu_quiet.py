@@ -33,7 +33,10 @@ class ScriptedProbe:
 
 def waited(times: list[float], **kwargs) -> float:
     clock = FakeClock()
-    return quiet.Quiet(ScriptedProbe(clock, times), clock, solo_s=0.002, **kwargs).wait()
+
+    def pause(seconds):
+        clock.t += seconds
+    return quiet.Quiet(ScriptedProbe(clock, times), clock, solo_s=0.002, pause=pause, **kwargs).wait()
 
 
 def test_an_idle_gpu_is_quiet_at_once():
@@ -41,13 +44,15 @@ def test_an_idle_gpu_is_quiet_at_once():
 
 
 def test_busy_probes_count_until_the_run_of_quiet_ones_begins():
-    # two slow probes (0.5 s and 0.3 s of another context's work), then quiet from 0.8 s on
-    assert waited([0.5, 0.3]) == pytest.approx(0.8)
+    # two slow probes (0.5 s and 0.3 s of another context's work), each followed by the probe's
+    # pause off the GPU, then quiet from there on
+    assert waited([0.5, 0.3]) == pytest.approx(0.8 + 2 * quiet.BUSY_PAUSE_S)
 
 
 def test_a_quiet_probe_between_busy_ones_does_not_end_the_wait():
-    # quiet, busy, then quiet for good: the wait ends where the last run of quiet probes began
-    assert waited([0.002, 0.01, 0.002, 0.002, 0.5]) == pytest.approx(0.516)
+    # quiet, busy, quiet twice, busy again, then quiet for good: the wait ends where the last run
+    # of quiet probes began
+    assert waited([0.002, 0.01, 0.002, 0.002, 0.5]) == pytest.approx(0.516 + 2 * quiet.BUSY_PAUSE_S)
 
 
 def test_a_gpu_that_never_goes_quiet_is_busy():

@@ -8,8 +8,9 @@ probe of its own (``CudaProbe``: fixed device-memory traffic in the audit's own 
 timed on the host from launch to completion) takes about its solo time on an idle GPU and
 markedly longer while another context's kernels or copies hold the GPU, which time-slices
 contexts and shares its memory bandwidth. ``Quiet.wait`` probes until QUIET_RUNS probes in a
-row take at most QUIET_SLACK times the solo time and returns how long the GPU stayed busy
-first, 0.0 when the first probe was already quiet.
+row take at most QUIET_SLACK times the solo time (staying off the GPU for BUSY_PAUSE_S after
+each busy probe) and returns how long the GPU stayed busy first, 0.0 when the first probe was
+already quiet.
 
 After each answer, with the answering side stopped, that wait is the GPU work the side left
 behind: it is added to the side's leg, so work moved past the answer is still the side's own
@@ -35,6 +36,10 @@ QUIET_RUNS = 3
 CALIBRATION_RUNS = 9
 # a GPU busy this long with both sides stopped is not one a leg can be timed on
 QUIET_TIMEOUT_S = 120.0
+# after a busy probe, the probe stays off the GPU this long: probes back to back would take half of
+# a time-sliced GPU and let the work left behind finish at half speed (bench/gpu_quiet.py: a
+# stopped process's 0.5 s of products took 1.05 s to drain), charging its side twice its time
+BUSY_PAUSE_S = 0.02
 # the probe's traffic: NEG_KERNELS passes over a buffer of PROBE_BYTES, each reading it and
 # writing a second one (about 2 ms on an H200): longer than a context's time slice, so that
 # another context's queued work takes a share of it whenever the GPU is shared
@@ -82,8 +87,9 @@ class Quiet:
     """Waits for an idle GPU, as its ``probe`` tells one, on the measurement's ``clock``."""
 
     def __init__(self, probe: Probe, clock: Clock, solo_s: float | None = None, slack: float = QUIET_SLACK,
-                 runs: int = QUIET_RUNS, timeout_s: float = QUIET_TIMEOUT_S):
+                 runs: int = QUIET_RUNS, timeout_s: float = QUIET_TIMEOUT_S, pause=time.sleep):
         self.probe, self.clock, self.slack, self.runs, self.timeout_s = probe, clock, slack, runs, timeout_s
+        self.pause = pause  # seconds -> None: real sleep, or a test's clock advanced
         self.solo_s = solo_s
         self.probes = 0
 
@@ -113,6 +119,7 @@ class Quiet:
                 in_row += 1
             else:
                 in_row, busy_seen = 0, True
+                self.pause(BUSY_PAUSE_S)
         return busy_s
 
     def describe(self) -> dict:
