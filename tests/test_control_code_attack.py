@@ -130,9 +130,10 @@ def run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def harness_time(python, copy, decoder: str, out: str) -> Path:
+    """Six prompts: the fewest whose median has an interval, which a claimed score needs."""
     out = copy.parent / out  # outside the copy, whose git status is looked at
     done = run(python, copy, "-m", "harness", "time", "--decoder", f"adversary:{decoder}", "--model", "tiny",
-               "--device", "cpu", "--out", str(out), "--limit", "2", "-n", "12", "--legs", "2")
+               "--device", "cpu", "--out", str(out), "--limit", "6", "-n", "12", "--legs", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     return out / "stream.jsonl"
 

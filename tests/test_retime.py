@@ -18,7 +18,9 @@ from click.testing import CliRunner
 from audit_helpers import claim_refused, copy_stream, findings, forge_stream, run_audit, run_harness
 
 TESTS = Path(__file__).resolve().parent
-N, PROMPTS, LEGS = 24, 3, 2
+# six prompts: the fewest whose median ratio has an interval, which audit replay's claimed score
+# needs (the forgeries below must look scored to the replay)
+N, PROMPTS, LEGS = 24, 6, 2
 # fresh prompts a retime times: the fewest whose median has a 95% interval (audit.retime.judge)
 FRESH = 6
 # spec's first leg of a prompt may hold a probe or two (the head's prompt rows and a catch-up, tens
