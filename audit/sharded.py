@@ -27,13 +27,13 @@ def rank_log(topo):
     return lambda message: click.echo(f"[rank {topo.rank}] {message}", err=True)
 
 
-def audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mismatch, params,
-                  timeout_s) -> int:
-    """One rank's part of the audit; rank 0 returns the audit's exit code, the others 0."""
-    dev = dist.rank_device(choose_device(device, run.header["device"]), topo)
-    session = dist.start(topo, timeout_s)
+def audit_sharded(topo, run, path, out_path, opts) -> int:
+    """One rank's part of the audit of ``run`` (read from ``path``) under ``opts`` (an
+    ``audit.replay_audit.ReplayOptions``); rank 0 returns the audit's exit code, the others 0."""
+    dev = dist.rank_device(choose_device(opts.device, run.header["device"]), topo)
+    session = dist.start(topo, opts.dist_timeout)
     try:
-        return audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mismatch, params)
+        return audit_on_rank(session, run, path, out_path, dev, opts)
     except dist.Stopped:
         raise DistError(dist.stop_report(session, "replayed") + "; nothing was written") from None
     except DistError as exc:
@@ -45,12 +45,12 @@ def audit_sharded(topo, run, path, model_spec, out_path, device, allow_device_mi
             pass
 
 
-def setup_rank(run, model_spec, dev: str, allow_device_mismatch: bool):
+def setup_rank(run, dev: str, opts):
     """This rank's device must be the recording's kind (refused before the model is loaded, as
     in one process); then the model."""
     replay_dev = replay_device_json(dev)
-    checks.check_devices(run.header, [replay_dev], allow_device_mismatch)
-    return replay_dev, load_replay_model(run, model_spec, dev)
+    checks.check_devices(run.header, [replay_dev], opts.allow_device_mismatch)
+    return replay_dev, load_replay_model(run, opts.model, dev)
 
 
 def check_ready(ready: list[dict]) -> None:
@@ -85,11 +85,10 @@ def replay_share(session, model, run, share: list, log) -> tuple[dict, int, floa
     return out, tokens, time.perf_counter() - t0, None
 
 
-def audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mismatch, params) -> int:
+def audit_on_rank(session, run, path, out_path, dev, opts) -> int:
     topo, log = session.topo, rank_log(session.topo)
     session.at("loading the model")
-    loaded, error = dist.guarded(topo, lambda: setup_rank(run, model_spec, dev, allow_device_mismatch),
-                                 (BadInput, UserError))
+    loaded, error = dist.guarded(topo, lambda: setup_rank(run, dev, opts), (BadInput, UserError))
     replay_dev, model = loaded if loaded else (None, None)
     ready = session.all_gather("setup", {"error": error, "device": replay_dev,
                                          "identity": model.identity if model else None})
@@ -110,7 +109,7 @@ def audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mi
         raise DistError(dist.failure_message(failure))
 
     devices = [p["device"] for p in ready]
-    findings = checks.check_devices(run.header, devices, allow_device_mismatch)
+    findings = checks.check_devices(run.header, devices, opts.allow_device_mismatch)
     more, model_findings = file_findings(run, model)
     findings += more
     merged = None
@@ -119,4 +118,4 @@ def audit_on_rank(session, run, path, model_spec, out_path, dev, allow_device_mi
         findings += divergence_findings(run, merged)
     # the sharded replay's wall time is its slowest rank's
     info = replay_info(devices, sum(p["tokens"] for p in results), max(p["seconds"] for p in results))
-    return finish(run, path, out_path, findings, merged, info, model.identity, params)
+    return finish(run, path, out_path, findings, merged, info, model.identity, opts.score_params)

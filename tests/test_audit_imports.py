@@ -21,7 +21,7 @@ def forbidden(name: str) -> bool:
 
 
 def test_import_audit_cli_pulls_in_nothing_forbidden():
-    code = ("import sys, audit.cli, audit.retime\n"
+    code = ("import sys, audit.cli, audit.replay_audit, audit.retime, audit.tokens\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('decoders', 'harness')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -29,8 +29,11 @@ def test_import_audit_cli_pulls_in_nothing_forbidden():
 
 
 def test_audit_sources_import_only_allowed_harness_modules():
-    """Static: every import statement in audit/, lazy ones inside functions included."""
-    for path in sorted(AUDIT_DIR.glob("*.py")):
+    """Static: every import statement in audit/ and its subpackages (commands/, retime/), lazy ones
+    inside functions included."""
+    paths = sorted(AUDIT_DIR.rglob("*.py"))
+    assert {"commands", "retime"} <= {p.parent.name for p in paths}
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -40,9 +43,10 @@ def test_audit_sources_import_only_allowed_harness_modules():
             else:
                 continue
             for name in names:
-                assert not forbidden(name), f"{path.name} imports {name}"
+                where = path.relative_to(AUDIT_DIR)
+                assert not forbidden(name), f"{where} imports {name}"
                 if name.startswith("harness."):
-                    assert name in ALLOWED_HARNESS, f"{path.name} imports {name}"
+                    assert name in ALLOWED_HARNESS, f"{where} imports {name}"
 
 
 def test_pristine_replay_matches_the_serial_control(tiny):

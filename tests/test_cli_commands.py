@@ -41,6 +41,16 @@ def test_harness_list_and_help_start_without_torch():
     assert "synthetic-9b" in proc.stdout and "stdlib-heldout" in proc.stdout and "spec-instrument" in proc.stdout
 
 
+@pytest.mark.parametrize("argv", [[], ["replay"], ["tokens"], ["retime"]])
+def test_audit_help_starts_without_torch(argv):
+    code = ("import sys\nfrom audit.cli import main\n"
+            f"try:\n    main({argv + ['--help']!r})\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules, 'TRANSFORMERS', 'transformers' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "TORCH False TRANSFORMERS False" in proc.stdout, proc.stdout + proc.stderr
+    assert "Usage: " in proc.stdout
+
+
 def test_the_watch_covers_every_module_of_the_harness_package():
     from harness.watch import WATCHED_MODULES
 

@@ -1,0 +1,53 @@
+"""What every ``audit`` command shares: the one ``error:`` line for what stops a command, and the
+options parsed alike (``--sampling``, ``--device``)."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from core.errors import DistError, Stopped, UserError, fail
+
+
+def run_command(fn: Callable[[], int], worded: dict[type[Exception], str] | None = None):
+    """Run a command's one function and exit with the code it returns. What stops it is one line
+    on stderr and exit 2 (130 for ^C), never a traceback: a user's mistake (under torchrun every
+    rank meets it alike, so rank 0 alone says it), or a rank's or replay worker's own news (a
+    failure, a hang, a stop), said by that rank and prefixed with it. ``worded``: the command's own
+    exceptions, each shown after its prefix."""
+    from core import dist  # imports torch: loads only when a command runs
+
+    from audit.report import printable
+
+    try:
+        code = fn()
+    except UserError as exc:
+        fail(printable(str(exc)), quiet=dist.quiet_rank())
+    except DistError as exc:
+        fail(dist.rank_prefix() + str(exc))
+    except Stopped:
+        fail(dist.rank_prefix() + "stopped by the launcher (SIGTERM); nothing was written")
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written", 130)
+    except tuple(worded or ()) as exc:
+        prefix = next(words for kind, words in worded.items() if isinstance(exc, kind))
+        fail(printable(f"{prefix}: {exc}"))
+    sys.exit(code)
+
+
+def parse_sampling(text: str | None):
+    """``--sampling SPEC`` as a ``core.sampling.Sampler`` (None: greedy); bad SPEC is a UserError."""
+    from core.sampling import GREEDY, Sampler, SamplerError  # imports torch: only when a command runs
+
+    if text is None:
+        return GREEDY
+    try:
+        return Sampler.parse(text)
+    except SamplerError as exc:
+        raise UserError(f"--sampling {text!r}: {exc}") from None
+
+
+def check_device_option(device: str | None) -> None:
+    """``--device`` checked before any file is read or model loaded (``core.devices``)."""
+    from core.devices import check_device  # torch loads only when a command runs
+
+    check_device(device)
