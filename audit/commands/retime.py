@@ -44,11 +44,14 @@ from audit.commands.common import run_command
               help="Verified score ceiling S_max (as audit replay's).")
 @click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Verified score saturation kappa (as audit replay's).")
+@click.option("--mem-allowance", type=click.FloatRange(min=0, min_open=True), default=1.2, show_default=True,
+              help="Candidate/control peak memory, measured outside each worker, allowed before the verified score "
+                   "is cut: f_mem = min(1, allowance / ratio) (as audit replay's).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Replay the retimed legs N prompts at once, in N processes on the one device, each with its "
                    "own copy of the model (as audit replay --workers). 1: in the audit's own process.")
 def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
-               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, workers):
+               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, mem_allowance, workers):
     """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:
     the verified ratio, its interval and score.
 
@@ -59,12 +62,15 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     the stream's own prompts), with a second look at K more when the first falls short, and
     replays every retimed token through its pristine serial path. The verified figures are the
     retime's own: per-prompt ratios (the control's first leg over the candidate's first), their
-    median, a distribution-free 95% interval, and the score (0 unless the interval's bottom is
-    above 1). The stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
+    median, a distribution-free 95% interval, and the score, cut by the memory each side held
+    (measured outside its process), 0 unless the interval's bottom is above 1, and withheld without
+    the candidate's sandbox or a control whose code was proven unchanged. The stream's claimed ratio is shown beside them and fails (claim-not-reproduced) when it lies
     above the interval's top by more than the margin. A stream that fails audit replay's file
     checks is not retimed; a header the decoders contradict fails (header-disagrees).
 
-    While one side is timed the other is stopped with every process it started. Around every leg
+    Each side runs only while it is timed: the other is stopped with every process it started. On
+    a GPU the audit's own probe waits for the GPU to be idle before every leg, and the time it
+    stays busy after an answer is the answering side's (gpu-work-after-answer). Around every leg
     the audit measures how long the timed side waited for a CPU and how much CPU other work took;
     it fails (load-against-control) when most prompts ran their control on a machine loaded
     against it, and (stopped-by-others) when another process paused the control's worker or the
@@ -82,5 +88,5 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
                          trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, sandbox=not no_sandbox,
-                         s_max=s_max, kappa=kappa, workers=workers)
+                         s_max=s_max, kappa=kappa, mem_allowance=mem_allowance, workers=workers)
     run_command(lambda: retime(opts), worded={WorkerError: "retime could not start"})
