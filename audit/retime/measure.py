@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from core.schema import ROLES, abba_roles
+from core.schema import LEG_SPREAD_LIMIT, ROLES, abba_roles
 
 from audit import checks
 from audit.pipeline import log
@@ -170,18 +170,20 @@ def time_prompt(m: Measurement, fp: FreshPrompt, origin: float, opens: str = "co
 
 
 def remeasure_reason(p: PromptRun) -> str | None:
-    """Why a prompt is measured again on its spare: legs unstable, or its control loaded."""
-    if checks.is_unstable(p):
-        spread = checks.prompt_spreads(p)
-        return "legs unstable (" + ", ".join(f"{role} {s:.0%}" for role, s in spread.items() if s is not None) + ")"
+    """Why a prompt is measured again on its spare: the control's legs unstable, or its control
+    loaded. The candidate's own unstable legs never buy it another draw: it knows how its first leg
+    went and could spoil its second whenever the first was slow, keeping only its lucky first legs."""
+    control = checks.prompt_spreads(p)["control"]
+    if control is not None and control > LEG_SPREAD_LIMIT:
+        return f"control legs unstable ({control:.0%})"
     if loaded_against_control(p):
         return describe_load(p)
     return None
 
 
 def time_fresh(m: Measurement, prompts: list[FreshPrompt], out: Measured) -> None:
-    """Per prompt: its timing, or, if its legs spread past the limit or its control ran loaded,
-    its spare's, the first kept in ``out.remeasured``. A spare is timed at most once."""
+    """Per prompt: its timing, or, if its control's legs spread past the limit or its control ran
+    loaded, its spare's, the first kept in ``out.remeasured``. A spare is timed at most once."""
     origin = m.clock.now()
     done = len(out.ran)
     for n, fp in enumerate(prompts, start=done + 1):
