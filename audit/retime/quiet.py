@@ -5,12 +5,12 @@ queued on the GPU: a decoder could answer, leave seconds of kernels queued, and 
 while the control is timed, which then shares the GPU and looks slow. So between requests both
 workers are stopped, and the audit asks the GPU itself whether anything still runs there: a
 probe of its own (``CudaProbe``: fixed device-memory traffic in the audit's own CUDA context,
-timed on the host from launch to completion) takes about its solo time on an idle GPU and
-markedly longer while another context's kernels or copies hold the GPU, which time-slices
-contexts and shares its memory bandwidth. ``Quiet.wait`` probes until QUIET_RUNS probes in a
-row take at most QUIET_SLACK times the solo time (staying off the GPU for BUSY_PAUSE_S after
-each busy probe) and returns how long the GPU stayed busy first, 0.0 when the first probe was
-already quiet.
+timed on the host from launch to completion, with a small copy to the device and back) takes
+about its solo time on an idle GPU and markedly longer while another context's kernels or
+copies hold the GPU, which time-slices contexts and shares its memory bandwidth. ``Quiet.wait``
+probes until QUIET_RUNS probes in a row take at most QUIET_SLACK times the solo time (staying
+off the GPU for BUSY_PAUSE_S after each busy probe) and returns how long the GPU stayed busy
+first, 0.0 when the first probe was already quiet.
 
 After each answer, with the answering side stopped, that wait is the GPU work the side left
 behind: it is added to the side's leg, so work moved past the answer is still the side's own
@@ -45,6 +45,8 @@ BUSY_PAUSE_S = 0.02
 # another context's queued work takes a share of it whenever the GPU is shared
 PROBE_BYTES = 512 << 20
 NEG_KERNELS = 8
+# and a copy of this many floats to the device and back
+COPY_ELEMENTS = 1024
 
 
 class GpuBusy(Exception):
@@ -69,12 +71,18 @@ class CudaProbe:
         n = PROBE_BYTES // 4
         self.src = torch.randn(n, device=self.device)
         self.dst = torch.empty_like(self.src)
+        # a decode step also copies between host and device (its tokens): a copy engine another
+        # context keeps busy delays these
+        self.host = torch.zeros(COPY_ELEMENTS, pin_memory=True)
+        self.small = torch.zeros(COPY_ELEMENTS, device=self.device)
         self.run()  # the kernels loaded before any probe is timed
 
     def run(self) -> float:
         t0 = time.perf_counter()
+        self.small.copy_(self.host, non_blocking=True)
         for _ in range(NEG_KERNELS):
             self.torch.neg(self.src, out=self.dst)
+        self.host.copy_(self.small, non_blocking=True)
         self.torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
