@@ -4,7 +4,7 @@
 
 In this process: the probe alone (its solo time, as ``Quiet.calibrate`` takes it), then beside a
 second process that keeps the GPU busy in one of several ways (large matrix products; device-to-
-device copies; a long chain of tiny kernels; queued products that the process leaves behind and
+device copies; host-to-device copies; a long chain of tiny kernels; queued products that the process leaves behind and
 then is stopped with SIGSTOP, as a retime's worker is). For each: the probe's median and
 slowest time against its solo time, and whether ``Quiet.wait`` calls the GPU quiet; for the stopped
 process, how long ``Quiet.wait`` waited against the work it left. A table last.
@@ -38,6 +38,9 @@ if how in ("matmul", "left"):
 elif how == "copy":
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev); b = torch.empty_like(a)
     step = lambda: b.copy_(a)
+elif how == "h2d":  # host-to-device copies over PCIe, from pinned memory
+    a = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True); b = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    step = lambda: b.copy_(a, non_blocking=True)
 else:  # tiny kernels, one after another
     a = torch.zeros(1024, device=dev)
     step = lambda: a.add_(1)
@@ -112,7 +115,7 @@ def main() -> int:
     quiet = Quiet(probe, Clock())
     solo = quiet.calibrate()
     rows = {"alone": {"times": probe_times(probe, args.probes)}}
-    for how in ("matmul", "copy", "tiny"):
+    for how in ("matmul", "copy", "h2d", "tiny"):
         rows[how] = beside(how, args.device, probe, args.probes)
     left = [left_behind(args.device, quiet, s) for s in (0.5, 2.0)]
     out = {"solo_s": solo, "slack": QUIET_SLACK, "rows": rows, "left_behind": left}
