@@ -246,8 +246,8 @@ def test_load_on_the_control_from_a_process_out_of_reach_is_measured_and_judged(
     assert result.exit_code in (0, 1), result.output
     measured = doc["prompts"] + doc["remeasured"]
     assert any(loaded(e) for e in measured), result.output  # the spinners' work was seen
-    for e in doc["remeasured"]:  # measured again for its load when its legs were steady
-        steady = all(x is None or x <= LEG_SPREAD_LIMIT for x in e["leg_spread"].values())
+    for e in doc["remeasured"]:  # measured again for its load when its control's legs were steady
+        steady = e["leg_spread"]["control"] is None or e["leg_spread"]["control"] <= LEG_SPREAD_LIMIT
         assert e["reason"].startswith("other work took") == (loaded(e) and steady)
     judged = [e["id"] for e in doc["prompts"] if loaded(e)]
     caught = findings(doc, "load-against-control")
