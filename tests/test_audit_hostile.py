@@ -25,6 +25,12 @@ def stream(clean_stream, tmp_path):
     return copy_stream(clean_stream, tmp_path / "run")
 
 
+@pytest.fixture(scope="session")
+def six_prompts(tmp_path_factory):
+    """Six prompts: the fewest whose median ratio has an interval, which a claimed score needs."""
+    return run_harness(tmp_path_factory.mktemp("hostile-six") / "run", "serial", limit=6, n=4, legs=2)
+
+
 def replace_first(stream, old: str, new: str) -> None:
     text = stream.read_text()
     assert old in text
@@ -263,8 +269,9 @@ def test_warmup_prompt_must_differ_and_match_length(stream, warm, needle):
 # --------------------------------------------------------------------------- noise
 
 
-def test_unstable_legs_warn_and_mark_the_run_without_changing_the_verdict(stream):
+def test_unstable_legs_warn_and_mark_the_run_without_changing_the_verdict(six_prompts, tmp_path):
     # the candidate's later legs take twice its first (spread 100%): noise, not a cache
+    stream = copy_stream(six_prompts, tmp_path / "run")
     edit(stream, lambda recs: retime(recs, 1.0, {0: 0.5, 1: 1.0}))
     result, doc = run_audit(stream)
     assert result.exit_code == 0, result.output
@@ -275,5 +282,5 @@ def test_unstable_legs_warn_and_mark_the_run_without_changing_the_verdict(stream
     m = doc["median_ratio"]
     assert m == pytest.approx(2.0)
     assert doc["score"] == pytest.approx(0.95 * (1 - math.exp(-(m - 1) / 2.0)))
-    assert "WARNING: 2 of 2 prompts have unstable legs" in result.stdout and "the run is unstable" in result.stdout
+    assert "WARNING: 6 of 6 prompts have unstable legs" in result.stdout and "the run is unstable" in result.stdout
     assert json.loads((stream.parent / "audit.json").read_text())["unstable"] is True
