@@ -206,7 +206,8 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
 @click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
               help="Fresh prompts of your own (jsonl of {id, text | token_ids}, a regular file), used in file "
                    "order, each cut to the length of the stream prompt it stands in for. Default: drawn from a "
-                   "built-in source of the stream's kind (random ids, or stdlib snippets for text).")
+                   "built-in source of the stream's kind (random ids, or runs of stdlib lines from random line "
+                   "starts for text).")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="New tokens per decode. Default: the stream's N.")
 @click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,

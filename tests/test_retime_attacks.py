@@ -65,7 +65,7 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
     """The stream's prompts come from a custom file whose prompts span a small space (2 ids over 5
     positions; 4 tokens of text over 3); the plug-in decodes the whole space in its untimed
     ``prepare()`` and answers from a table. Fresh prompts come from a space of the same kind that
-    no table holds (random ids over the vocabulary; stdlib snippets), so its claim fails."""
+    no table holds (random ids over the vocabulary; runs of stdlib lines), so its claim fails."""
     entries = ([{"id": f"p{i}", "token_ids": ids} for i, ids in
                 enumerate([[5, 6, 5, 6, 5], [6, 6, 5, 5, 6], [5, 5, 5, 6, 6]])] if kind == "ids" else
                [{"id": f"p{i}", "text": text} for i, text in enumerate(["a b a", "b a b", "a a b"])])
@@ -78,7 +78,7 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
 
     result, doc = run_retime(stream, "--trust-plugin")
     assert_claim_refused(result, doc)
-    assert doc["fresh_source"]["kind"] == ("random-ids" if kind == "ids" else "snippets")
+    assert doc["fresh_source"]["kind"] == ("random-ids" if kind == "ids" else "line-runs")
     space = {t for e in read_records(stream) if e["type"] == "prompt" for t in e["token_ids"]}
     assert not any(set(e["token_ids"]) <= space for e in doc["prompts"])  # none from the decodable space
     assert doc["verified"]["ratio"] < doc["claimed"]["ratio"]
