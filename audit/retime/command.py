@@ -47,7 +47,8 @@ class RetimeOptions:
     trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
     sandbox: bool = True  # the candidate's worker in this machine's sandbox (audit.sandbox), where it has one
     seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
-    fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
+    # the auditor's own fresh prompts (jsonl of {id, text | token_ids}), hidden from the candidate's sandbox
+    fresh: Path | None = None
     s_max: float = 0.95
     kappa: float = 2.0
     workers: int = 1  # processes that replay the retimed legs on the one device (audit.pool)
@@ -144,10 +145,12 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
     audit_continues = ContinueCounter().install()
     clock = PerfClock()
+    hide = hidden_from_candidate(ctx.opts)
     try:
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
-                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache)
-        findings += sandbox_findings(workers["candidate"].launch.sandbox)
+                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache,
+                                hide=hide)
+        findings += sandbox_findings(workers["candidate"].launch.sandbox, hide)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
         disagree = header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
@@ -173,6 +176,12 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
         if was_reaper is False:
             set_subreaper(False)
     return workers, measured, gpu, provenance
+
+
+def hidden_from_candidate(opts: RetimeOptions) -> tuple[str, ...]:
+    """What the candidate's sandbox must not let it read: the auditor's own fresh prompts (read
+    into the audit's memory before any worker starts), by its resolved path."""
+    return (str(opts.fresh.resolve()),) if opts.fresh is not None else ()
 
 
 def longest_request(draw: Draw, max_new_tokens: int) -> int:
