@@ -5,7 +5,9 @@ retime_decoders:NAME``; a subprocess needs ``PYTHONPATH=tests``): ``Precomputed`
 the control is timed, in the worker's tree but out of its process group, or out of the audit's
 reach; ``StopsTheControlFromOutside`` leaves one that pauses the control's worker instead;
 ``PrecomputedSpace`` decodes in ``prepare()`` every prompt of the small space a custom prompt
-file's tokens span; ``SerialSpeed`` is serial decoding made slower still, for forged claims."""
+file's tokens span; ``PeeksAtTheFreshFile`` decodes in ``prepare()`` the auditor's --fresh
+prompts, where it can read them; ``SerialSpeed`` is serial decoding made slower still, for forged
+claims."""
 from __future__ import annotations
 
 import itertools
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from core.errors import UserError
 from core.prompts import load_prompts
 from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.serial import SerialDecoder
@@ -324,6 +327,34 @@ class PrecomputedSpace(Precomputed):
 
     def config(self) -> dict:
         return {**super().config(), "prompts": self.prompts, "max_space": self.max_space}
+
+
+class PeeksAtTheFreshFile(Precomputed):
+    """Precomputed, and in ``prepare()`` it also reads the auditor's prompt file ``fresh`` (what a
+    retime is given as --fresh), where it can: every prompt there, cut to each length of the
+    built-in set's first ``limit`` prompts (the lengths a retime's fresh prompts mirror), decoded
+    in advance and answered from the table. A file it cannot read (hidden by the sandbox) adds
+    nothing."""
+
+    name = "peeks-at-the-fresh-file"
+
+    def __init__(self, fresh: str = "", limit: int = 3, max_new_tokens: int = 64, answer_s: float = 0.004):
+        super().__init__(max_new_tokens, answer_s)
+        self.fresh, self.limit = fresh, limit
+
+    def prepare(self, model) -> None:
+        super().prepare(model)
+        try:
+            peeked, _ = load_prompts(self.fresh, model)
+        except UserError:  # hidden: it reads as an empty device, no prompt file
+            return
+        lengths = {len(p.token_ids) for p in load_prompts(None, model)[0][:self.limit]}
+        for p in peeked:
+            for n in lengths & set(range(len(p.token_ids) + 1)):
+                self.table[tuple(p.token_ids[:n])] = self.inner.decode(p.token_ids[:n], self.max_new_tokens).tokens
+
+    def config(self) -> dict:
+        return {**super().config(), "fresh": self.fresh, "limit": self.limit}
 
 
 class SerialSpeed(SerialDecoder):

@@ -84,8 +84,10 @@ def test_honest_stream_reproduces(decoder, fast_serial_stream, tmp_path):
     for e in doc["prompts"]:  # fresh prompts: none of the stream's, each as long as the one it mirrors
         assert tuple(e["token_ids"]) not in held
         assert e["tokens"] == len(by_id[e["mirrors"]]["token_ids"])
-    # tiny's set, dev, is text: fresh prompts are stdlib snippets, never the stream's own tokens
-    assert doc["fresh_source"]["kind"] == "snippets" and "dev split" in doc["fresh_prompts"]
+    # tiny's set, dev, is text: fresh prompts are runs of stdlib lines, never the stream's own tokens
+    from audit.retime.fresh import LineStarts
+    assert doc["fresh_source"]["kind"] == "line-runs" and "dev split" in doc["fresh_prompts"]
+    assert doc["fresh_source"]["line_starts"] == len(LineStarts.of("dev"))
     assert "verified median ratio" in result.stdout and "claimed median ratio" in result.stdout
     assert "retime took" in result.stdout
 
@@ -388,10 +390,11 @@ def test_the_worker_refuses_to_prepare_a_decoder_that_is_not_an_instrument():
 
 
 @pytest.mark.parametrize("source, how", [("builtin:random-512", "random token ids over the whole vocabulary"),
-                                         ("builtin:stdlib-heldout", "snippets of the stdlib corpus's heldout split")])
+                                         ("builtin:stdlib-heldout", "runs of lines of the stdlib corpus's heldout split")])
 def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path, source, how):
     from audit.retime.fresh import fresh_prompts
     from audit.stream import load_run
+    from core.corpus import collect
     from core.models import load_model
     from core.prompts import corpus_prompts
 
@@ -417,6 +420,14 @@ def test_fresh_prompts_come_from_the_stream_source(fast_serial_stream, tmp_path,
         tok = model.tokenizer.get()
         own = [tok.encode(e["text"]) for e in corpus_prompts("heldout", 10)]
         assert not any(ids[:len(p.token_ids)] == p.token_ids for p in fresh + spares for ids in own)
+        # each is lines of the split from more than one place: every line the start of one of the
+        # split's (a long one is cut for a short prompt), the whole no stretch of any one file
+        texts = [f.text for f in collect().split("heldout")]
+        lines = "\n" + "\n".join(texts)
+        for p in fresh + spares:
+            text = tok.decode(p.token_ids)
+            assert all(f"\n{line}" in lines for line in text.split("\n")[:-1]), text
+            assert not any(text in t for t in texts), text
 
 
 class FakeClock:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from audit import sandbox
+
 from audit_helpers import claim_refused, copy_stream, edit, findings, legs_of, read_records, retime, run_audit, run_harness, \
     shorten_candidate, write_records
 
@@ -65,7 +67,7 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
     """The stream's prompts come from a custom file whose prompts span a small space (2 ids over 5
     positions; 4 tokens of text over 3); the plug-in decodes the whole space in its untimed
     ``prepare()`` and answers from a table. Fresh prompts come from a space of the same kind that
-    no table holds (random ids over the vocabulary; stdlib snippets), so its claim fails."""
+    no table holds (random ids over the vocabulary; runs of stdlib lines), so its claim fails."""
     entries = ([{"id": f"p{i}", "token_ids": ids} for i, ids in
                 enumerate([[5, 6, 5, 6, 5], [6, 6, 5, 5, 6], [5, 5, 5, 6, 6]])] if kind == "ids" else
                [{"id": f"p{i}", "text": text} for i, text in enumerate(["a b a", "b a b", "a a b"])])
@@ -78,7 +80,7 @@ def test_a_prompt_space_decoded_in_prepare_gains_nothing(tmp_path, kind):
 
     result, doc = run_retime(stream, "--trust-plugin")
     assert_claim_refused(result, doc)
-    assert doc["fresh_source"]["kind"] == ("random-ids" if kind == "ids" else "snippets")
+    assert doc["fresh_source"]["kind"] == ("random-ids" if kind == "ids" else "line-runs")
     space = {t for e in read_records(stream) if e["type"] == "prompt" for t in e["token_ids"]}
     assert not any(set(e["token_ids"]) <= space for e in doc["prompts"])  # none from the decodable space
     assert doc["verified"]["ratio"] < doc["claimed"]["ratio"]
@@ -118,6 +120,42 @@ def test_the_auditors_own_fresh_prompts_are_used(tmp_path, fast_serial_stream):
     lengths = {p.id: len(p.token_ids) for p in run.prompts}
     assert [fp.token_ids for fp in draw.first] == [own[i][:lengths[fp.mirrors]] for i, fp in enumerate(draw.first)]
     assert len(draw.second) == PROMPTS and all(fp.spare is not None for fp in draw.first + draw.second)
+
+
+@pytest.mark.skipif(sandbox.plan("/tmp").tool is None,
+                    reason="hiding a file needs a sandbox (bubblewrap, or unshare as root)")
+def test_the_auditors_fresh_file_is_hidden_from_the_candidate(tmp_path):
+    """A plug-in that reads the auditor's --fresh file in ``prepare()`` and decodes its prompts in
+    advance would answer every fresh prompt from its table; the candidate's sandbox hides the file
+    (given here through a symlink, hidden at its real path), so it reads nothing there and its
+    claim fails."""
+    from audit.retime.fresh import fresh_prompts
+    from audit.stream import load_run
+    from core.models import load_model
+    from core.prompts import load_prompts
+    from retime_decoders import PeeksAtTheFreshFile
+
+    model = load_model("tiny", "cpu")
+    longest = max(len(p.token_ids) for p in load_prompts(None, model, limit=PROMPTS)[0])
+    (tmp_path / "auditor").mkdir()
+    own = write_prompts(tmp_path / "auditor" / "mine.jsonl",
+                        [{"id": f"m{i}", "token_ids": [(7 * i + j) % 500 + 1 for j in range(longest + 3)]}
+                         for i in range(FRESH)])
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(own)
+    stream = run_harness(tmp_path / "peek", "retime_decoders:PeeksAtTheFreshFile", limit=PROMPTS, n=N, legs=LEGS,
+                         extra=("--decoder-arg", f"fresh={link}", "--decoder-arg", f"limit={PROMPTS}"))
+    # where it can read the file, every fresh prompt of a retime is in its table
+    peeker = PeeksAtTheFreshFile(str(link), PROMPTS)
+    peeker.prepare(model)
+    draw = fresh_prompts(load_run(stream), model, FRESH, 1, link)
+    assert all(tuple(fp.token_ids) in peeker.table for fp in draw.first)
+
+    result, doc = run_retime(stream, "--trust-plugin", "--fresh", str(link))
+    assert doc["sandbox"]["hidden"] == [str(own.resolve())], result.output
+    assert doc["fresh_source"]["kind"] == "file"
+    assert_claim_refused(result, doc)
+    assert all(e["exact"] for e in doc["prompts"]) and doc["verified"]["ratio"] < 2 < doc["claimed"]["ratio"]
 
 
 # --------------------------------------------------------------------------- forged claims

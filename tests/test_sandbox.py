@@ -65,6 +65,38 @@ def test_unshare_as_root(tmp_path):
     assert "/usr/bin/setpriv" in plan.prefix and "--bounding-set=-all" in plan.prefix
 
 
+def test_hidden_paths_are_planned_by_their_real_paths(tmp_path):
+    secret, folder, link = tmp_path / "fresh.jsonl", tmp_path / "folder", tmp_path / "link"
+    secret.write_text("{}")
+    folder.mkdir()
+    link.symlink_to(secret)
+    hide = (link, secret, folder, tmp_path / "missing")  # a link and its file are hidden once
+    bwrap = sandbox.plan(tmp_path, which=lambda name: f"/usr/bin/{name}", root=False, hide=hide)
+    assert bwrap.hidden == (str(secret), str(folder)) and bwrap.describe()["hidden"] == [str(secret), str(folder)]
+    p = list(bwrap.prefix)
+    assert ["--ro-bind", "/dev/null", str(secret)] == p[p.index(str(secret)) - 2:p.index(str(secret)) + 1]
+    assert ["--tmpfs", str(folder), "--remount-ro", str(folder)] == p[p.index(str(folder)) - 1:p.index(str(folder)) + 3]
+    assert p.index(str(secret)) > p.index("/sys")  # over the read-only root, not under it
+    unshare = sandbox.plan(tmp_path, which=lambda name: None if name == "bwrap" else f"/usr/bin/{name}", root=True,
+                           hide=hide)
+    assert unshare.hidden == bwrap.hidden
+    i = unshare.prefix.index(sandbox.INIT)
+    assert unshare.prefix[i + 1:i + 4] == (str(tmp_path), json.dumps([str(secret), str(folder)]), "/usr/bin/setpriv")
+    # no sandbox: nothing is hidden, and the plan says so
+    assert sandbox.plan(tmp_path, which=lambda name: None, root=True, hide=hide).hidden == ()
+
+
+def test_unsandboxed_the_warning_names_what_it_could_read():
+    from audit.retime.provenance import sandbox_findings
+
+    assert sandbox_findings(sandbox.Sandbox("unshare", ("unshare",)), ("/a/fresh.jsonl",)) == []
+    (none,) = sandbox_findings(None, ("/a/fresh.jsonl",))
+    assert none["check"] == sandbox.NOT_SANDBOXED and none["severity"] == "warn"
+    assert none["message"].endswith("--no-sandbox; it could read /a/fresh.jsonl, which a sandbox hides from it")
+    (no_tool,) = sandbox_findings(sandbox.plan("/tmp", which=lambda name: None, root=True, hide=("/tmp",)))
+    assert "could read" not in no_tool["message"]
+
+
 def test_launch_gives_a_private_pycache(tmp_path):
     launch = sandbox.launch(["python"], sandbox=False, environ={"PYTHONUSERBASE": "/x", "A": "1"})
     try:
@@ -108,6 +140,53 @@ def test_inside_the_sandbox(tmp_path):
     assert out["remount"] != 0  # no capability left to make anything writable again
     assert live_with(marker) == []  # its detached child died with the namespace
     assert not os.path.exists(launch.tmpdir)
+
+
+READER = r"""
+import json, os, subprocess, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            out[path] = sorted(os.listdir(path))
+        else:
+            with open(path) as f:
+                out[path] = f.read()
+    except OSError as e:
+        out[path] = e.strerror
+out["umount"] = [subprocess.run(["umount", p], capture_output=True).returncode for p in sys.argv[1:]]
+out["again"] = open(sys.argv[1]).read()
+print(json.dumps(out))
+"""
+
+
+@needs_unshare
+def test_hidden_paths_cannot_be_read_inside(tmp_path):
+    """A hidden file reads as empty inside, under its own name and through a symlink, while a file
+    beside it reads as it is; a hidden directory is empty; no unmount brings them back."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    secret, beside, link = prompts / "fresh.jsonl", prompts / "other.jsonl", tmp_path / "link.jsonl"
+    secret.write_text('{"id": "mine", "text": "the auditor\'s own prompt"}\n')
+    beside.write_text("not hidden\n")
+    link.symlink_to(secret)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "inside").write_text("x")
+    paths = [secret, link, beside, folder, folder / "inside"]
+    launch = sandbox.launch([sys.executable, "-I", "-c", READER, *map(str, paths)], sandbox=True, hide=(link, folder))
+    try:
+        assert launch.sandbox.hidden == (str(secret), str(folder))
+        done = subprocess.run(launch.argv, env=launch.env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+    finally:
+        launch.cleanup()
+    assert out[str(secret)] == out[str(link)] == out["again"] == ""
+    assert out[str(beside)] == "not hidden\n"
+    assert out[str(folder)] == [] and out[str(folder / "inside")] == "No such file or directory"
+    assert all(code != 0 for code in out["umount"])  # no capability left to unmount them
+    assert secret.read_text().startswith('{"id": "mine"') and (folder / "inside").read_text() == "x"  # outside, as it was
 
 
 WORKER = r"""

@@ -20,8 +20,10 @@ from audit.commands.common import run_command
                    "whose median has a 95% interval (9 and more give one inside the extremes).")
 @click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
               help="Fresh prompts of your own (jsonl of {id, text | token_ids}, a regular file), used in file "
-                   "order, each cut to the length of the stream prompt it stands in for. Default: drawn from a "
-                   "built-in source of the stream's kind (random ids, or stdlib snippets for text).")
+                   "order, each cut to the length of the stream prompt it stands in for; read before any worker "
+                   "starts and hidden from the candidate's sandbox (at its real path; a copy or hard link "
+                   "elsewhere is not). Default: drawn from a built-in source of the stream's kind (random ids, "
+                   "or runs of stdlib lines from random line starts for text).")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="New tokens per decode. Default: the stream's N.")
 @click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,
@@ -78,7 +80,7 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     fails (gpu-shared) when one is out of its reach. Before the workers start, the control's code is
     checked against git HEAD and the installed RECORDs (control-code-modified names a changed
     file); the candidate's worker runs sandboxed where the machine allows (read-only filesystem, no
-    network, its processes dying with it). Details: docs/audit.md.
+    network, its processes dying with it, the --fresh file hidden). Details: docs/audit.md.
 
     Writes retime.json, prints both ratios per prompt and median. Exit 0 verified (pass), 1 findings
     or unverified (no fresh prompts fit), 2 bad input.

@@ -50,7 +50,8 @@ class RetimeOptions:
     trust_plugin: bool = False  # run a plug-in decoder the stream names (its code, in the workers)
     sandbox: bool = True  # the candidate's worker in this machine's sandbox (audit.sandbox), where it has one
     seed: int | None = None  # the fresh prompts' draw (None: a secret one, drawn for this retime)
-    fresh: Path | None = None  # the auditor's own fresh prompts (jsonl of {id, text | token_ids})
+    # the auditor's own fresh prompts (jsonl of {id, text | token_ids}), hidden from the candidate's sandbox
+    fresh: Path | None = None
     s_max: float = 0.95
     kappa: float = 2.0
     mem_allowance: float = 1.2  # candidate/control peak memory allowed before the score is cut
@@ -150,12 +151,14 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     quiet = device_quiet(ctx.device, clock)  # its solo probe timed before any worker holds the GPU
     gpu = GpuWatch().start() if watches_gpu(ctx.device) else None  # before the workers: no orphan of theirs
     audit_continues = ContinueCounter().install()
+    hide = hidden_from_candidate(ctx.opts)
     try:
         workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
-                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache)
+                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache,
+                                hide=hide)
         if gpu is not None:
             gpu.assign({role: w.tree for role, w in workers.items()})
-        findings += sandbox_findings(workers["candidate"].launch.sandbox)
+        findings += sandbox_findings(workers["candidate"].launch.sandbox, hide)
         # the decoders' own word on what they are, against the header's: a stream about another
         # decoder than the one that runs is not retimed
         disagree = header_findings(ctx.run.header, workers, ctx.opts.allow_device_mismatch)
@@ -194,6 +197,12 @@ def device_quiet(device: str, clock) -> Quiet | NoProbe:
     quiet = Quiet(CudaProbe(device), clock)
     log(f"the GPU's idle probe takes {quiet.calibrate() * 1e3:.2f} ms alone")
     return quiet
+
+
+def hidden_from_candidate(opts: RetimeOptions) -> tuple[str, ...]:
+    """What the candidate's sandbox must not let it read: the auditor's own fresh prompts (read
+    into the audit's memory before any worker starts), by its resolved path."""
+    return (str(opts.fresh.resolve()),) if opts.fresh is not None else ()
 
 
 def longest_request(draw: Draw, max_new_tokens: int) -> int:

@@ -68,7 +68,7 @@ def build_document(o: Outcome) -> dict:
         "stream": str(o.run.path),
         "stream_sha256": o.sha256,
         "seed": o.seed,
-        # where the fresh prompts came from: kind random-ids | snippets | file, and a sentence
+        # where the fresh prompts came from: kind random-ids | line-runs | file, and a sentence
         "fresh_source": o.source,
         "fresh_prompts": o.source["how"] if o.source else None,
         "candidate": {k: header["candidate"].get(k) for k in ("name", "spec", "args", "instrument")},

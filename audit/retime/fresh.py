@@ -4,35 +4,51 @@ space no decoder can enumerate in advance, each as long as one of the stream's p
 Where they come from (``Source``, named in retime.json):
   random ids   for a set of token ids (``random-512*``, or a custom file of ids): ids drawn over
                the model's whole vocabulary;
-  snippets     for a set of text (``stdlib-*``: the same split; ``dev`` or a custom file of text:
-               the stdlib corpus's dev split): a snippet from a file and line start the seed
-               picks, any line start of the split, never one where one of the stream's prompts
-               starts, cut to the mirrored prompt's length;
+  line runs    for a set of text (``stdlib-*``: the same split; ``dev`` or a custom file of text:
+               the stdlib corpus's dev split): pieces joined until the text encodes to the
+               mirrored prompt's length, then cut to it; each piece the whole lines from a line
+               start drawn anew over the whole split until it holds ``PIECE_CHARS`` characters (two
+               or three lines of code; fewer for a prompt too short for ``MIN_PIECES`` of them), so
+               that a prompt of P pieces is one of (line starts)^P; never starting like one of the
+               stream's prompts;
   --fresh FILE the auditor's own prompts (jsonl of {id, text | token_ids}), a regular file, each
                cut to the length of the stream prompt it mirrors.
-When no source fits (a text set on a model without a tokenizer, snippets too short, an auditor's
-file with too few long prompts), ``NoFreshPrompts`` is raised: the retime's verdict is then
+When no source fits (a text set on a model without a tokenizer, a split without lines, an
+auditor's file with too few long prompts), ``NoFreshPrompts`` is raised: the retime's verdict is then
 UNVERIFIED, never a pass. Every draw (a prompt, its warm-up, its spare) has a generator of its
 own from the retime's secret seed, so the ids a worker is sent tell it nothing of the rest.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import random
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.corpus import collect
 from core.errors import UserError
-from core.prompts import RANDOM_SETS, SNIPPET_CHARS, load_prompts, parse_corpus_spec, snippet_at, snippet_files
+from core.prompts import RANDOM_SETS, load_prompts, parse_corpus_spec
 
 from audit.pipeline import prompt_set_spec
 from audit.stream import BadInput, PromptRun, Run
 
-# a fresh corpus snippet is cut this long (twice a set's own) so that it is long enough once
-# encoded for the prompt it mirrors, at almost any line start; line starts tried for one
-FRESH_SNIPPET_CHARS = 2 * SNIPPET_CHARS
-SNIPPET_TRIES = 64
+# a piece of a fresh text prompt: whole lines from one line start until it holds this many
+# characters, two or three lines of code (about 25 tokens), so that a prompt of 512 tokens has
+# some twenty pieces, each drawn anew
+PIECE_CHARS = 64
+# a prompt too short for this many pieces of PIECE_CHARS has pieces of this share of its
+# characters (still whole lines: a prompt of a line or two is one or two pieces)
+MIN_PIECES = 3
+# characters of a split a tokenizer's characters per token are measured on
+SAMPLE_CHARS = 1 << 16
+# prompts drawn for one fresh prompt before the split is given up on (each started like one of
+# the stream's prompts)
+PROMPT_TRIES = 64
+# encodes in a row that add no token before the split is given up on
+STALLED_ENCODES = 8
 # a fresh prompt may not begin with the first this many tokens of one of the stream's prompts
 HELD_START_TOKENS = 8
 # the corpus split that stands in for a text set that is not itself a corpus set (dev, a file)
@@ -60,7 +76,7 @@ class Draw:
 
     first: list[FreshPrompt]
     second: list[FreshPrompt]
-    source: dict  # {"kind": "random-ids" | "snippets" | "file", "how": a sentence, ...}
+    source: dict  # {"kind": "random-ids" | "line-runs" | "file", "how": a sentence, ...}
 
 
 def draw_rng(seed: int, what: str) -> random.Random:
@@ -101,31 +117,100 @@ def prompt_drawer(run: Run, model):
                                                    f"{model.vocab_size} ({source_name} is a set of ids)"}
     if model.tokenizer is None:
         raise NoFreshPrompts(f"{source_name} is a set of text, but the model has no tokenizer to encode fresh text")
-    try:
-        files = snippet_files(split, FRESH_SNIPPET_CHARS)
-    except UserError as exc:
-        raise NoFreshPrompts(str(exc)) from None
-    tokenizer = model.tokenizer.get()
-
-    def draw(rng, n, held):
-        return corpus_snippet(rng, files, tokenizer, n, held, split)
-    return draw, {"kind": "snippets", "split": split,
-                  "how": f"snippets of the stdlib corpus's {split} split ({source_name} is a set of text) from "
-                         "line starts the seed picks, cut to each mirrored prompt's length"}
+    runs = LineRuns(LineStarts.of(split), model.tokenizer.get())
+    return runs.draw, {"kind": "line-runs", "split": split, "line_starts": len(runs.lines),
+                       "piece_chars": PIECE_CHARS, "min_pieces": MIN_PIECES,
+                       "how": f"runs of lines of the stdlib corpus's {split} split ({source_name} is a set of "
+                              f"text), each from one of its {len(runs.lines)} line starts drawn anew, "
+                              f"{PIECE_CHARS} characters or more (shorter for a prompt too short for "
+                              f"{MIN_PIECES} such runs), joined and cut to each mirrored prompt's length"}
 
 
-def corpus_snippet(rng: random.Random, files: list, tokenizer, length: int, held: set, split: str) -> list[int]:
-    """The first ``length`` tokens of a snippet from a file and line start ``rng`` picks, one that
-    starts unlike every one of the stream's prompts. Any line start of the split may come, so a
-    decoder cannot decode every fresh prompt in advance as it could a fixed list."""
-    starts = {h[:HELD_START_TOKENS] for h in held}
-    for _ in range(SNIPPET_TRIES):
-        f = files[rng.randrange(len(files))]
-        ids = tokenizer.encode(snippet_at(f.text, rng.randrange(len(f.text)), FRESH_SNIPPET_CHARS))
-        if len(ids) >= length and tuple(ids[:HELD_START_TOKENS]) not in starts:
-            return list(ids[:length])
-    raise NoFreshPrompts(f"no {split} snippet of {length} tokens at {SNIPPET_TRIES} line starts: the stream's "
-                         "prompts are longer than the split's snippets")
+class LineStarts:
+    """Every line start of a corpus split, each as likely as the next: where a piece of a fresh text
+    prompt begins."""
+
+    def __init__(self, texts: list[str], split: str):
+        self.texts, self.split = texts, split
+        self.starts = [[m.start() for m in re.finditer(r"(?m)^", t) if m.start() < len(t)] for t in texts]
+        self.before, total = [], 0  # line starts in the files before each one
+        for s in self.starts:
+            self.before.append(total)
+            total += len(s)
+        self.total = total
+
+    @classmethod
+    def of(cls, split: str) -> "LineStarts":
+        lines = cls([f.text for f in collect().split(split)], split)
+        if not lines.total:
+            raise NoFreshPrompts(f"the standard library here has no {split}-split lines to draw fresh prompts from")
+        return lines
+
+    def __len__(self) -> int:
+        return self.total
+
+    def sample(self) -> str:
+        """The start of every file, up to ``SAMPLE_CHARS`` in all: text to measure a tokenizer on."""
+        return "".join(t[:SAMPLE_CHARS // 32] for t in self.texts)[:SAMPLE_CHARS]
+
+    def piece(self, rng: random.Random, chars: int) -> str:
+        """The whole lines from a line start ``rng`` picks until they hold ``chars`` characters (or
+        the file ends), ending in a newline."""
+        k = rng.randrange(self.total)
+        f = bisect.bisect_right(self.before, k) - 1
+        text, start = self.texts[f], self.starts[f][k - self.before[f]]
+        end = start
+        while end < len(text) and end - start < chars:
+            newline = text.find("\n", end)
+            end = len(text) if newline < 0 else newline + 1
+        return text[start:end] if text[end - 1] == "\n" else text[start:end] + "\n"
+
+
+class LineRuns:
+    """Fresh text prompts: pieces of a split's lines (``LineStarts.piece``), each drawn anew,
+    joined until the text encodes to the mirrored length, then cut to it. A prompt of P pieces is
+    one of (line starts)^P, so no decoder can decode them all in advance; a prompt too short for
+    ``MIN_PIECES`` pieces of ``PIECE_CHARS`` characters gets shorter pieces (at the tokenizer's
+    characters per token on the split), so that a short prompt is several pieces too."""
+
+    def __init__(self, lines: LineStarts, tokenizer):
+        self.lines, self.tokenizer = lines, tokenizer
+        sample = lines.sample()
+        self.chars_per_token = len(sample) / max(1, len(tokenizer.encode(sample)))
+
+    def piece_chars(self, length: int) -> int:
+        """Characters a piece of a ``length``-token prompt holds at least."""
+        return max(1, min(PIECE_CHARS, int(length * self.chars_per_token / MIN_PIECES)))
+
+    def draw(self, rng: random.Random, length: int, held: set) -> list[int]:
+        """The first ``length`` tokens of joined pieces, starting unlike every one of the stream's
+        prompts (``held``)."""
+        openings = {h[:HELD_START_TOKENS] for h in held}
+        for _ in range(PROMPT_TRIES):
+            ids = self.joined(rng, length)
+            if tuple(ids[:HELD_START_TOKENS]) not in openings:
+                return ids
+        raise NoFreshPrompts(f"{PROMPT_TRIES} prompts drawn from the {self.lines.split} split each started like "
+                             "one of the stream's prompts")
+
+    def joined(self, rng: random.Random, length: int) -> list[int]:
+        """Pieces drawn and joined until the text encodes to at least ``length`` tokens, cut to it;
+        encoded again only once the text is as long as the characters per token so far ask for."""
+        chars = self.piece_chars(length)
+        text, ids, stalled = "", [], 0
+        while len(ids) < length:
+            chars_per_token = len(text) / len(ids) if ids else self.chars_per_token
+            want = len(text) + max(1, int((length - len(ids)) * chars_per_token))
+            before = len(ids)
+            while len(text) < want:
+                text += self.lines.piece(rng, chars)
+            ids = self.tokenizer.encode(text)
+            # a piece may merge into the tokens before it; a tokenizer that never grows is given up on
+            stalled = stalled + 1 if len(ids) <= before else 0
+            if stalled == STALLED_ENCODES:
+                raise NoFreshPrompts(f"the {self.lines.split} split's lines encode to no more than {len(ids)} "
+                                     f"tokens, however many are joined (a prompt of {length} tokens is mirrored)")
+        return list(ids[:length])
 
 
 def read_fresh_file(path: Path, model) -> list[list[int]]:

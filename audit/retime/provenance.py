@@ -36,11 +36,14 @@ def control_code_findings(report) -> list[dict]:
     return report.findings()
 
 
-def sandbox_findings(plan: "sandbox.Sandbox | None") -> list[dict]:
-    """``candidate-not-sandboxed`` (warn) where the candidate's worker ran without a sandbox."""
+def sandbox_findings(plan: "sandbox.Sandbox | None", hide: tuple[str, ...] = ()) -> list[dict]:
+    """``candidate-not-sandboxed`` (warn) where the candidate's worker ran without a sandbox, naming
+    what a sandbox would have hidden from it (``hide``: the auditor's --fresh file)."""
     if plan is not None and plan.warning is None:
         return []
     why = plan.warning if plan is not None else f"{sandbox.NOT_SANDBOXED}: --no-sandbox"
+    if hide:
+        why += f"; it could read {', '.join(hide)}, which a sandbox hides from it"
     return [checks.finding(sandbox.NOT_SANDBOXED, "warn", None, why)]
 
 

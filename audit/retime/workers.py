@@ -110,15 +110,15 @@ class Worker:
     audit's own SIGCONTs, shared by both sides."""
 
     def __init__(self, role: str, command: list[str], audit_continues: ContinueCounter, sandboxed: bool = False,
-                 boxed: bool = True, pycache: str | None = None):
+                 boxed: bool = True, pycache: str | None = None, hide: tuple[str, ...] = ()):
         self.role = role
         self.audit_continues = audit_continues
         self.resumes = 0  # SIGCONTs the audit sent the worker
         self.continued: int | None = None  # SIGCONTs the worker last said it received
         self.continues_judged = 0  # of the others' continues, those already put down to a request
         # a private pycache (the control's: the one its code check compiled) and temporary
-        # directory; for the candidate, the sandbox (audit.sandbox)
-        self.launch = sandbox.launch(command, sandboxed, pycache=pycache)
+        # directory; for the candidate, the sandbox (audit.sandbox), out of which ``hide`` is kept
+        self.launch = sandbox.launch(command, sandboxed, pycache=pycache, hide=hide)
         self.box, self.unboxed = cgroups.Box.create(f"qwen35-{role}", cpus=shared_cpus()) if boxed else (None, "not asked")
         argv = self.box.enter_argv(self.launch.argv) if self.box else self.launch.argv
         # a session of its own: stopped as its process group and, through /proc, as its whole tree
@@ -242,28 +242,33 @@ def shared_cpus() -> str | None:
 
 
 def start_worker(side: Side, model_spec: str, device: str, audit_continues: ContinueCounter,
-                 sandboxed: bool, positions: int | None = None, control_pycache: str | None = None) -> Worker:
+                 sandboxed: bool, positions: int | None = None, control_pycache: str | None = None,
+                 hide: tuple[str, ...] = ()) -> Worker:
     """One side's worker, started cold (not yet ready); the candidate's in the sandbox when
-    ``sandboxed``; the control's with ``control_pycache``, the candidate's with a fresh one."""
+    ``sandboxed``, unable to read the paths ``hide`` names; the control's with ``control_pycache``,
+    the candidate's with a fresh one."""
     log(f"starting the {side.role}'s worker: {side.describe()}")
     control = side.role == "control"
     return Worker(side.role, worker_command(side, model_spec, device, positions), audit_continues,
-                  sandboxed=sandboxed and not control, pycache=control_pycache if control else None)
+                  sandboxed=sandboxed and not control, pycache=control_pycache if control else None,
+                  hide=() if control else hide)
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str,
                   audit_continues: ContinueCounter, sandboxed: bool = True,
-                  positions: int | None = None, control_pycache: str | None = None) -> dict[str, Worker]:
+                  positions: int | None = None, control_pycache: str | None = None,
+                  hide: tuple[str, ...] = ()) -> dict[str, Worker]:
     """Both sides cold, in processes of their own, each ready (sized for ``positions``: the longest
     prompt + N they will be sent, so that no timed request pays for growing); the control's with
-    the private pycache its code check compiled; the audit's children from before are no one's
+    the private pycache its code check compiled; the candidate's sandbox keeps ``hide`` (the
+    auditor's --fresh file) out of its sight; the audit's children from before are no one's
     orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
     workers = {}
     try:
         for side in sides:
             workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed, positions,
-                                              control_pycache)
+                                              control_pycache, hide)
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():
