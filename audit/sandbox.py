@@ -47,6 +47,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.provenance import PROCESS_PYCACHE
+
 NOT_SANDBOXED = "candidate-not-sandboxed"
 UNSHARE = ("unshare", "--mount", "--pid", "--net", "--fork", "--mount-proc", "--kill-child")
 SETPRIV = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
@@ -220,17 +222,22 @@ class Launch:
 
 def launch(command: list[str], sandbox: bool, which=shutil.which, root: bool | None = None,
            environ: dict | None = None, pycache: str | None = None, hide=()) -> Launch:
-    """How to start ``command`` (a ``python -I`` worker, ``command[0]`` the interpreter): with a
-    private directory of its own that holds its pycache (empty, so no ``.pyc`` written before is
-    loaded: given as ``-X pycache_prefix``, since ``-I`` ignores ``PYTHONPYCACHEPREFIX``), or the
-    private ``pycache`` given (the control's: what the check of its code compiled), and, with
-    ``sandbox``, inside this machine's sandbox (``plan``), the directory its only writable place
-    and the paths ``hide`` names out of its sight."""
+    """How to start ``command`` (a ``python -I`` worker, ``command[0]`` the interpreter) with a
+    private directory of its own, and, with ``sandbox``, inside this machine's sandbox (``plan``),
+    the directory its only writable place and the paths ``hide`` names out of its sight.
+
+    ``pycache``: None, a pycache in the private directory (empty, so no ``.pyc`` written before is
+    loaded: given as ``-X pycache_prefix``, since ``-I`` ignores ``PYTHONPYCACHEPREFIX``); a
+    directory, that private pycache (the control's: what the check of its code compiled);
+    ``PROCESS_PYCACHE``, the interpreter's own ``__pycache__`` files (the candidate's: whatever
+    they hold runs only in the candidate's own process, which runs code of its choosing anyway,
+    and inside the sandbox it cannot write them)."""
     tmpdir = tempfile.mkdtemp(prefix="qwen35-worker-")
-    pycache = pycache or os.path.join(tmpdir, "pycache")
-    command = [command[0], "-X", f"pycache_prefix={pycache}", *command[1:]]
     env = dict(os.environ if environ is None else environ)
-    env["PYTHONPYCACHEPREFIX"] = pycache
+    if pycache != PROCESS_PYCACHE:
+        pycache = pycache or os.path.join(tmpdir, "pycache")
+        command = [command[0], "-X", f"pycache_prefix={pycache}", *command[1:]]
+        env["PYTHONPYCACHEPREFIX"] = pycache
     env.pop("PYTHONUSERBASE", None)
     if not sandbox:
         return Launch(list(command), env, tmpdir, None)

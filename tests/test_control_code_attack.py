@@ -11,8 +11,9 @@ every later process while ``git status`` stays clean, in two ways:
 The next ``harness time`` takes the slowed control as its baseline and claims a speed-up. Against
 the rewrite, the harness's own check of the control's code records the changed file, so the
 replay fails it and the retime refuses it (``control-code-modified``). Against the planted ``.pyc``
-(the source is unchanged), the retime's workers start with a private empty pycache: the planted
-code never runs there, the verified ratio is the honest one and the claim is not reproduced.
+(the source is unchanged), the retime's control starts with the private pycache its code check
+compiled from the checked sources: the planted code never runs there, the verified ratio is the
+honest one and the claim is not reproduced.
 
 The copy runs in a venv of its own that sees the copy's packages and this environment's libraries,
 so nothing in this checkout is touched.

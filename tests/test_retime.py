@@ -364,6 +364,51 @@ def test_recorded_sides_and_their_arguments():
         recorded_sides({**header, "candidate": {"name": "x", "spec": "os:system"}}, trust_plugins=False)
 
 
+def test_the_candidate_loads_while_the_control_code_is_checked_and_the_control_starts_after(monkeypatch):
+    """The check of the control's code runs after the candidate's worker started and before the
+    control's, which alone gets the pycache the check compiled; the workers come back in the sides'
+    order with the check's result."""
+    import audit.retime.workers as W
+
+    events = []
+
+    class Started:
+        def __init__(self, role):
+            self.proc = type("P", (), {"pid": 10 + len(events)})()
+            self.tree = type("T", (), {})()
+            self.role = role
+
+        def wait_ready(self):
+            events.append(f"ready {self.role}")
+
+        def close(self):
+            events.append(f"closed {self.role}")
+
+    def start_worker(side, model_spec, device, continues, sandboxed, positions, control_pycache=None, hide=()):
+        events.append(f"start {side.role} pycache={control_pycache} hide={hide}")
+        return Started(side.role)
+
+    def check():
+        events.append("check")
+        return "report"
+
+    monkeypatch.setattr(W, "start_worker", start_worker)
+    sides = W.recorded_sides({"control": {"name": "serial"}, "candidate": {"name": "spec", "spec": "spec"}},
+                             trust_plugins=False)
+    workers, checked = W.start_workers(sides, "tiny", "cpu", None, control_pycache="/p", hide=("/f",),
+                                       check_control=check)
+    assert checked == "report" and list(workers) == [s.role for s in sides] == ["control", "candidate"]
+    assert events == ["start candidate pycache=None hide=('/f',)", "check", "start control pycache=/p hide=('/f',)",
+                      "ready control", "ready candidate"]
+
+    def failing():
+        raise OSError("no git")
+    events.clear()
+    with pytest.raises(OSError):
+        W.start_workers(sides, "tiny", "cpu", None, check_control=failing)
+    assert events[-1] == "closed candidate"
+
+
 def test_an_instrument_is_retimed_with_its_untimed_preparation(tmp_path):
     """An instrument makes no scored claim, but its ratio is reproducible: the candidate's worker
     gets the same untimed per-prompt preparation ``harness time`` gives it, and only it."""

@@ -231,3 +231,15 @@ def test_stopped_and_continued_as_a_tree_inside(tmp_path):
         proc.wait(timeout=60)
         launch.cleanup()
     assert live_with(marker) == []
+
+
+def test_launch_with_the_interpreters_own_pycache(tmp_path):
+    """The candidate's worker: no private pycache on its command line or in its environment."""
+    from core.provenance import PROCESS_PYCACHE
+
+    launch = sandbox.launch(["python", "-I"], sandbox=False, pycache=PROCESS_PYCACHE, environ={"A": "1"})
+    try:
+        assert launch.argv == ["python", "-I"] and "PYTHONPYCACHEPREFIX" not in launch.env
+        assert launch.env["A"] == "1" and os.path.isdir(launch.tmpdir)
+    finally:
+        launch.cleanup()

@@ -141,11 +141,9 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     if not tree_control():
         log("no /proc here: a side is stopped as its worker's process group only, not as its whole process tree")
     measured = Measured()
-    # before any worker starts: the code the control will load, compiled into a private pycache
-    # that only the control's worker then uses
+    # checked while the candidate's worker loads, before the control's starts: the code the
+    # control will load, compiled into a private pycache that only the control's worker then uses
     control_pycache = tempfile.mkdtemp(prefix="qwen35-control-pycache-")
-    provenance = control_code(sides, control_pycache)
-    findings += control_code_findings(provenance)
     was_reaper = set_subreaper(True)
     clock = PerfClock()
     quiet = device_quiet(ctx.device, clock)  # its solo probe timed before any worker holds the GPU
@@ -153,9 +151,11 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
     audit_continues = ContinueCounter().install()
     hide = hidden_from_candidate(ctx.opts)
     try:
-        workers = start_workers(sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
-                                positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache,
-                                hide=hide)
+        workers, provenance = start_workers(
+            sides, ctx.model_spec, ctx.device, audit_continues, ctx.opts.sandbox,
+            positions=longest_request(draw, ctx.max_new_tokens), control_pycache=control_pycache, hide=hide,
+            check_control=lambda: control_code(sides, control_pycache))
+        findings += control_code_findings(provenance)
         if gpu is not None:
             gpu.assign({role: w.tree for role, w in workers.items()})
         findings += sandbox_findings(workers["candidate"].launch.sandbox, hide)

@@ -17,8 +17,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from core.continues import ContinueCounter
+from core.provenance import PROCESS_PYCACHE
 from core.sampling import GREEDY, Sampler
 from core.schema import ROLES, loads
 
@@ -246,29 +248,37 @@ def start_worker(side: Side, model_spec: str, device: str, audit_continues: Cont
                  hide: tuple[str, ...] = ()) -> Worker:
     """One side's worker, started cold (not yet ready); the candidate's in the sandbox when
     ``sandboxed``, unable to read the paths ``hide`` names; the control's with ``control_pycache``,
-    the candidate's with a fresh one."""
+    the candidate's with the interpreter's own ``__pycache__`` files (``audit.sandbox.launch``)."""
     log(f"starting the {side.role}'s worker: {side.describe()}")
     control = side.role == "control"
     return Worker(side.role, worker_command(side, model_spec, device, positions), audit_continues,
-                  sandboxed=sandboxed and not control, pycache=control_pycache if control else None,
+                  sandboxed=sandboxed and not control, pycache=control_pycache if control else PROCESS_PYCACHE,
                   hide=() if control else hide)
 
 
 def start_workers(sides: list[Side], model_spec: str, device: str,
                   audit_continues: ContinueCounter, sandboxed: bool = True,
                   positions: int | None = None, control_pycache: str | None = None,
-                  hide: tuple[str, ...] = ()) -> dict[str, Worker]:
+                  hide: tuple[str, ...] = (), check_control: Callable[[], object] = lambda: None
+                  ) -> tuple[dict[str, Worker], object]:
     """Both sides cold, in processes of their own, each ready (sized for ``positions``: the longest
-    prompt + N they will be sent, so that no timed request pays for growing); the control's with
-    the private pycache its code check compiled; the candidate's sandbox keeps ``hide`` (the
-    auditor's --fresh file) out of its sight; the audit's children from before are no one's
-    orphans."""
+    prompt + N they will be sent, so that no timed request pays for growing), and what
+    ``check_control()`` returned. The candidate starts first and loads while ``check_control``
+    runs (the check of the control's code, which compiles ``control_pycache``); the control starts
+    after it, with that private pycache. The candidate's sandbox keeps ``hide`` (the auditor's
+    --fresh file) out of its sight; the audit's children from before are no one's orphans."""
     older = {pid for pid, (ppid, _) in parent_table().items() if ppid == os.getpid()} if tree_control() else set()
     workers = {}
     try:
+        candidate = next(s for s in sides if s.role == "candidate")
+        workers["candidate"] = start_worker(candidate, model_spec, device, audit_continues, sandboxed, positions,
+                                            hide=hide)
+        checked = check_control()
         for side in sides:
-            workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed, positions,
-                                              control_pycache, hide)
+            if side.role != "candidate":
+                workers[side.role] = start_worker(side, model_spec, device, audit_continues, sandboxed, positions,
+                                                  control_pycache, hide)
+        workers = {side.role: workers[side.role] for side in sides}
         for w in workers.values():
             w.tree.not_orphans = older | {x.proc.pid for x in workers.values()}
         for w in workers.values():
@@ -277,4 +287,4 @@ def start_workers(sides: list[Side], model_spec: str, device: str,
         for w in workers.values():
             w.close()
         raise
-    return workers
+    return workers, checked
