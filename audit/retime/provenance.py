@@ -1,6 +1,6 @@
 """What a retime knows of its workers' code and confinement: the control's import closure checked
-against git HEAD / the distributions' RECORD (``core.provenance``) before any worker starts, and
-whether the candidate's worker ran in a sandbox (``audit.sandbox``)."""
+against git HEAD / the distributions' RECORD (``core.provenance``) before the control's worker
+starts, and whether the candidate's worker ran in a sandbox (``audit.sandbox``)."""
 from __future__ import annotations
 
 import subprocess
