@@ -16,8 +16,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
   targets     bench/spec_bench.py on synthetic-9b, issue 28's rows, each side by side against
               fast-serial: the instrument at alpha 0.6, 0.7 (256 new tokens) and 0.85 (512), spec's
-              random head (3 legs), and small's real acceptance traces (held-out, dev) replayed at the
-              9B shape; 4 prompts; then one audit of every stream with 4 workers
+              random head (3 legs), and small's real acceptance traces (bench/traces: held-out, dev)
+              replayed at the 9B shape, each with stop=depth and stop=confidence (+conf), and alpha
+              0.6 with stop=confidence; 4 prompts; then one audit of every stream with 4 workers
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
               GPU: fast-serial and spec against the control, and spec side by side against fast-serial
   context     bench/context_bench.py on synthetic-9b: decode ms/token and peak memory against context
@@ -61,6 +62,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               audit replay, audit retime) beside a steady CPU hog (4 at once); two tables
   retime-null bench/retime_null.py (CPU, simulation): how often a retime would score a candidate
               exactly as fast as the control, under the retime's rule and the median/bootstrap rule
+  policy      bench/policy_sim.py (CPU, simulation): spec's depth policy, round by round, on the
+              instrument's alpha 0.6 / 0.7 / 0.85 and small's two traces, with stop=depth and
+              stop=confidence, priced by the costs a 9B run recorded on the H200
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -100,10 +104,15 @@ SMALL_CONFIGS = ("fast-serial", "spec", "spec@fs")
 # spec with a head that predicts nothing is within a few percent of fast-serial: one leg is noise
 LEGS = {"spec@fs": 3}
 # issue 28's rows, each side by side against fast-serial: the instrument at three acceptance levels,
-# spec's random head, and small's real acceptance (held-out and dev traces) replayed at the 9B shape
-TRACES_9B = ("bench/runs/2026-12-01-h200-real-acceptance/small-heldout.json",
-             "bench/runs/2026-12-01-h200-real-acceptance/small-dev.json")
-TARGET_CONFIGS = ("inst-0.6@fs", "inst-0.7@fs", "inst-0.85@fs", "spec@fs", *(f"inst-trace:{t}@fs" for t in TRACES_9B))
+# spec's random head, and small's real acceptance (held-out and dev traces, with the head's
+# confidences) replayed at the 9B shape, with each round's depth chosen before drafting and with
+# stop=confidence
+TRACES_9B = ("bench/traces/small-heldout.json", "bench/traces/small-dev.json")
+TARGET_CONFIGS = ("inst-0.6@fs", "inst-0.7@fs", "inst-0.85@fs", "spec@fs",
+                  *(f"inst-trace:{t}{stop}@fs" for t in TRACES_9B for stop in ("", "+conf")), "inst-0.6+conf@fs")
+# what the policy earns on those rows, simulated from the costs a 9B run recorded (session 20's
+# context run, bench/NOTES.md): no GPU needed
+POLICY_COSTS = "bench/runs/2026-12-04-h200-s20/context-512-32k.json:inst-0.6"
 TARGET_NEW = {"inst-0.85@fs": 512}  # the issue's alpha-0.85 row is 512 new tokens; the others 256
 
 
@@ -283,6 +292,10 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
                      ok=(0, 1)),
                 Step("quickstarts", (PY, "bench/cpu_verify.py", "quickstarts", "--out", str(out / "quickstarts"),
                                      "--jobs", "4", "--hogs", "1"), ok=(0, 1))]
+    if name == "policy":
+        return [Step("policy", (PY, "bench/policy_sim.py", "--costs", POLICY_COSTS, "--alpha", "0.6", "--alpha", "0.7",
+                                "--alpha", "0.85", *(a for t in TRACES_9B for a in ("--trace", t)),
+                                "--stop", "depth,confidence", "--prompts", "10", "--json", str(out / "policy.json")))]
     if name == "retime-null":
         return [Step("retime-null", (PY, "bench/retime_null.py", "--trials", "1000"))]
     if name == "tests-cuda":
@@ -295,7 +308,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
 SETS = ("runtime", "probe", "profile", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
-        "cpu-verify", "retime-null", "tests-cuda", "suite")
+        "cpu-verify", "retime-null", "policy", "tests-cuda", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
 
 

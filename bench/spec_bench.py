@@ -19,6 +19,7 @@ Configuration names:
                                              (python -m decoders.trace ... --out FILE)
   small:NAME                                 NAME on the built-in `small` and its held-out prompts
                                              (on a GPU: its real head's acceptance), whatever --model
+  NAME+conf                                  NAME (spec or the instrument) with stop=confidence
   NAME@fs                                    NAME timed side by side against fast-serial
 For the acceptance curve of one model on a GPU, e.g.:
     --configs fast-serial,inst-0.6,inst-0.85,inst-0.95,inst-trace:small-trace.json,spec,small:fast-serial,small:spec,small:spec@fs,inst-trace:small-trace.json@fs
@@ -51,12 +52,14 @@ DEFAULT_CONFIGS = [*BASE, *(f"{n}@fs" for n in sorted(SHORTLISTED))]
 TRACE = "inst-trace:"
 SMALL = "small:"  # the built-in small model, on its held-out prompts
 SMALL_PROMPTS = "stdlib-heldout"
+CONF = "+conf"  # spec's stop=confidence
 
 
 def resolve(name: str) -> dict | None:
     """A configuration name as harness arguments: {"args", "model", "prompts", "shortlisted"};
     model and prompts are None where --model / --prompts apply. None for an unknown name."""
     base, fs = (name[:-3], True) if name.endswith("@fs") else (name, False)
+    base, conf = (base[:-len(CONF)], True) if base.endswith(CONF) else (base, False)
     model = prompts = None
     if base.startswith(SMALL):
         base, model, prompts = base[len(SMALL):], "small", SMALL_PROMPTS
@@ -66,6 +69,10 @@ def resolve(name: str) -> dict | None:
         args = list(BASE[base])
     else:
         return None
+    if conf:
+        if "spec" not in args[1]:
+            return None
+        args += ["--decoder-arg", "stop=confidence"]
     if fs:
         args += ["--control", "fast-serial"]
     # a shortlist given on the command line belongs to --model: small's drafts keep their own

@@ -176,13 +176,16 @@ def publish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj, indent: int | None = 2) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (a temporary file, then a rename);
+    ``indent=None``: compact, for data files."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=True, allow_nan=False)
+            json.dump(obj, fh, indent=indent, sort_keys=True, allow_nan=False,
+                      separators=None if indent is not None else (",", ":"))
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -22,6 +22,11 @@ each draft at position q is the argmax, over the draft's DRAFT_CANDIDATES larges
 argmax. On the GPU it has its own
 graph pairs, captured at construction (nothing is live yet), reading T and the seed from device
 tensors; greedy drafting runs the plain graphs, unchanged.
+
+Confidence (``confidence=True``): each draft step also leaves the head's probability of its draft
+(softmax over the draft logits, in float32) in ``in_conf``, for a policy that ends a round's
+drafts where the head hesitates (``draft_until``; decoders/policy.py). Without it the graphs hold
+no such ops.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +60,13 @@ class Unchecked:
 
 class MTPDrafter:
     def __init__(self, model, capacity: int, shortlist: list[int] | None = None, head=None, max_rows: int = 8,
-                 use_graphs: bool | None = None, coupled: bool = False):
+                 use_graphs: bool | None = None, coupled: bool = False, confidence: bool = False):
         """``head``: a trained draft head (``load_head``) in place of the checkpoint's own.
         ``max_rows``: every catch-up of up to this many rows (a round's accepted rows + 1) runs as
         one CUDA graph pair; longer ones (after plain steps) run in chunks of LONG_CHUNKS rows or
         fewer. ``use_graphs``: default on a GPU; False runs the same functions eagerly.
-        ``coupled``: able to draft with the target's noise (``couple``)."""
+        ``coupled``: able to draft with the target's noise (``couple``). ``confidence``: every
+        draft step leaves the head's probability of its draft in ``in_conf``."""
         note_build()
         self.model = model
         lm, head = model.backbone, (head if head is not None else model.mtp)
@@ -90,6 +97,8 @@ class MTPDrafter:
         self.in_token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.step_pos = torch.zeros(1, dtype=torch.long, device=dev)  # warm-up writes row 0: nothing is live yet
         self.step_attn = torch.zeros(1, 1, width, dtype=dtype, device=dev)
+        self.confidence = confidence
+        self.in_conf = torch.zeros(1, dtype=torch.float32, device=dev)  # the last draft's confidence
         # the catch-ups' static buffers, m-row views of one max-size set; warm-up writes K/V at
         # rows_pos (and attends from start 0): at construction no head row is live, so rows
         # 0..m-1 are free to scribble on
@@ -115,7 +124,7 @@ class MTPDrafter:
 
     def nbytes(self) -> int:
         """The K/V cache, a shortlisted head weight and the graphs' static buffers (not their pool)."""
-        tensors = [self.keys, self.values, self.in_hidden, self.in_token, self.step_pos, self.step_attn,
+        tensors = [self.keys, self.values, self.in_hidden, self.in_token, self.in_conf, self.step_pos, self.step_attn,
                    self.rows_hidden, self.rows_token, self.rows_pos, self.rows_attn]
         if self.shortlist is not None:
             tensors.append(self.head_weight)
@@ -194,13 +203,21 @@ class MTPDrafter:
         run_segments(*graphed)
 
     def _emit(self, out_row) -> None:
-        """The head's last output row and its draft become the next chained step's inputs."""
-        self.in_token.copy_(self.draft_token(out_row))
+        """The head's last output row and its draft become the next chained step's inputs (with
+        ``confidence``, the draft's probability goes to ``in_conf``)."""
+        logits = F.linear(out_row, self.head_weight)
+        self.in_token.copy_(self._argmax_token(logits))
+        if self.confidence:
+            self.in_conf.copy_(torch.softmax(logits.float(), -1).amax(-1).view(1))
         self.in_hidden.copy_(out_row)
 
     def _emit_coupled(self, out_row, position: torch.Tensor) -> None:
         """As ``_emit``, the draft being the coupled one for the token at ``position`` ([1])."""
-        self.in_token.copy_(self.coupled_token(out_row, position))
+        logits = F.linear(out_row, self.head_weight).reshape(-1)
+        token, row = self._coupled(logits, position)
+        self.in_token.copy_(token)
+        if self.confidence:
+            self.in_conf.copy_(torch.softmax(logits.float(), -1)[row])
         self.in_hidden.copy_(out_row)
 
     def couple(self, sampler, filtered: bool = False) -> None:
@@ -302,7 +319,9 @@ class MTPDrafter:
 
     def draft_token(self, out_row: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits for one head output row [1,1,H] -> [1,1] token id."""
-        logits = F.linear(out_row, self.head_weight)
+        return self._argmax_token(F.linear(out_row, self.head_weight))
+
+    def _argmax_token(self, logits: torch.Tensor) -> torch.Tensor:
         idx = logits.argmax(-1)
         return self.shortlist[idx] if self.shortlist is not None else idx
 
@@ -311,7 +330,10 @@ class MTPDrafter:
         the draft's DRAFT_CANDIDATES largest logits, the argmax of logits / T + G(seed, position,
         v) -> [1,1] token id. The target picks among its own top-k (20 in Qwen's presets), so a
         draft outside the head's best few would rarely be kept; the noise is hashed at those few ids."""
-        logits = F.linear(out_row, self.head_weight).reshape(-1)
+        return self._coupled(F.linear(out_row, self.head_weight).reshape(-1), position)[0]
+
+    def _coupled(self, logits: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``coupled_token`` from the draft logits [V']: (token id [1,1], its row in the logits [1])."""
         top = torch.topk(logits, min(DRAFT_CANDIDATES, logits.numel()))
         ids = self.ids[top.indices]
         noise = noise_from_keys(*position_keys(self.seed_key, position), ids)
@@ -319,7 +341,8 @@ class MTPDrafter:
         if self.filter is not None:  # the filter over the candidates alone: a proposal, not a pick
             ranks, _, kept = candidates(top.values, self.filter)
             score = torch.where(torch.zeros_like(kept).index_put_((ranks,), kept), score, -math.inf)
-        return ids[score.argmax(-1, keepdim=True)].view(1, 1)
+        best = score.argmax(-1, keepdim=True)
+        return ids[best].view(1, 1), top.indices[best]
 
     def head_candidates(self, k: int) -> torch.Tensor:
         """The head's ``k`` best full-vocabulary ids by draft logit, best first ([k]), for the head
@@ -354,15 +377,36 @@ class MTPDrafter:
         """Catch up the head on rows [filled, filled+k) given as true hidden states and their next
         tokens (the last of which is the round's first draft input), then chain ``depth`` drafts.
         Returns the draft tokens as [1,1] device tensors."""
-        start = self.filled
-        self._catch_up(pending_hidden, pending_tokens, start)
-        pos = start + pending_tokens.shape[-1]
-        self.filled = pos  # every pending row had true inputs; the chained rows after it do not
+        pos = self._catch_up_pending(pending_hidden, pending_tokens)
         drafts = [self.in_token.clone()]
         for _ in range(depth - 1):
             drafts.append(self.chained_step(pos))
             pos += 1
         return drafts
+
+    @torch.inference_mode()
+    def draft_until(self, pending_hidden: torch.Tensor, pending_tokens: torch.Tensor,
+                    more: Callable[[list[float]], bool]) -> tuple[list[torch.Tensor], list[float]]:
+        """As ``draft``, the depth decided on the way: after each draft (the first is the
+        catch-up's) its confidence is read, a wait for the device, and another is chained while
+        ``more(confidences so far)`` is true. Needs ``confidence=True``. Returns (drafts as [1,1]
+        device tensors, their confidences)."""
+        if not self.confidence:
+            raise ValueError("draft_until needs a drafter built with confidence=True")
+        pos = self._catch_up_pending(pending_hidden, pending_tokens)
+        drafts, confidences = [self.in_token.clone()], [float(self.in_conf)]
+        while more(confidences):
+            drafts.append(self.chained_step(pos))
+            confidences.append(float(self.in_conf))
+            pos += 1
+        return drafts, confidences
+
+    def _catch_up_pending(self, pending_hidden: torch.Tensor, pending_tokens: torch.Tensor) -> int:
+        """The catch-up of ``draft``; returns the position of the first chained step."""
+        start = self.filled
+        self._catch_up(pending_hidden, pending_tokens, start)
+        self.filled = start + pending_tokens.shape[-1]  # every pending row had true inputs; chained rows do not
+        return self.filled
 
 
 DRAFT_CANDIDATES = 64  # a coupled draft chooses among the head's this many largest logits

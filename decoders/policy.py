@@ -43,6 +43,18 @@ on a GPU, where a catch-up and a draft are launch-bound: ~2 steps) probes wait p
 ``explore_first`` and ``explore_every``; where it is cheap (the 9B shape on a GPU: ~0.05 steps)
 the doubling run rules.
 
+Confidence stopping (``calibration`` set): a drafting round's depth is not fixed in advance.
+After each draft the caller asks ``draft_more`` with the head's probability of every draft so
+far (its confidence), and one more is drafted while
+
+  P(1..k) * a_{k+1}  >=  rate * (T(k+1) - T(k))
+
+with P(1..k) the product of the drafts' calibrated acceptances (``Calibration``: per tenth of
+confidence, learned from the decode's own rounds), a_{k+1} the depth's acceptance above and rate
+the best tokens per second the policy prices now: the next draft's expected tokens against what
+it and its verify row cost at that rate. A round where the head is sure goes deep, one where it
+hesitates stops early, whatever the depth that pays on average.
+
 Depth 0 costs what a plain step costs: a plain round re-prices only depth 0 against the best
 drafting rate, which it cannot change (only ``update`` and a drafting round's ``observe`` do), and
 a run of plain rounds is decided once for up to as many rounds as remain before a probe could be
@@ -124,6 +136,48 @@ class RoundTimes:
         return out
 
 
+CONFIDENCE_BINS = 10  # a draft's confidence counts in tenths
+
+
+def confidence_bin(confidence: float) -> int:
+    """The tenth a confidence (a probability) falls in: 0..CONFIDENCE_BINS - 1, 1.0 in the last."""
+    return min(CONFIDENCE_BINS - 1, max(0, int(confidence * CONFIDENCE_BINS)))
+
+
+@dataclass
+class Calibration:
+    """P(a draft is accepted | its confidence's tenth, every draft before it accepted), learned
+    from the decode's rounds: per tenth, hits and trials decayed by ``forget`` per round, with
+    ``strength`` pseudo-observations of the tenth's midpoint as its prior (a head's probability of
+    its own draft is a fair first guess; the rounds correct it, for heads that are over- or
+    under-confident alike)."""
+
+    # half an observation: the first rounds of a tenth decide it (a random head's drafts are
+    # all unsure, the instrument's all right: the midpoint prior must not hold them back long)
+    strength: float = 0.5
+    forget: float = 0.995
+    hits: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+    trials: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+
+    def accept(self, confidence: float) -> float:
+        b = confidence_bin(confidence)
+        prior = (b + 0.5) / CONFIDENCE_BINS
+        return (self.hits[b] + prior * self.strength) / (self.trials[b] + self.strength)
+
+    def update(self, confidences: list[float], accepted: int) -> None:
+        """A round verified drafts with these confidences and kept the first ``accepted``: drafts
+        1..accepted + 1 were observed (the rest came after a rejection)."""
+        self.hits = [h * self.forget for h in self.hits]
+        self.trials = [t * self.forget for t in self.trials]
+        for k, c in enumerate(confidences[:accepted + 1]):
+            b = confidence_bin(c)
+            self.trials[b] += 1.0
+            self.hits[b] += 1.0 if k < accepted else 0.0
+
+    def state(self) -> list[float]:
+        return [round(self.accept((b + 0.5) / CONFIDENCE_BINS), 4) for b in range(CONFIDENCE_BINS)]
+
+
 @dataclass
 class DepthPolicy:
     costs: Costs
@@ -154,6 +208,7 @@ class DepthPolicy:
     _probe_at: int | None = field(default=None, repr=False, compare=False)  # this run's priced length
     probe_extra: float | None = None  # seconds a probe measurably adds to its plain step (None: none timed)
     probes_timed: int = 0
+    calibration: Calibration | None = None  # set: confidence stopping (``draft_more``); None: depth by ``choose``
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -215,6 +270,24 @@ class DepthPolicy:
             self._best = -max((1.0 / self.step_time(), 0), self._drafting)[1]
         return self._best
 
+    def rate(self) -> float:
+        """Tokens per second of the best choice as priced now (a plain step's, or the best
+        drafting depth's)."""
+        self.best_depth()
+        return max(1.0 / self.step_time(), self._drafting[0])
+
+    def draft_more(self, confidences: list[float]) -> bool:
+        """With confidence stopping: after drafts with these confidences, whether one more is
+        worth its price (the module docstring's rule); never past ``max_depth``."""
+        k = len(confidences)
+        if self.calibration is None or k >= self.max_depth:
+            return False
+        cum = 1.0
+        for c in confidences:
+            cum *= self.calibration.accept(c)
+        times = self.round_times()
+        return cum * self.accept[k] >= self.rate() * (times[k + 1] - times[k])
+
     def probe_wait(self, rows: int = 1) -> int:
         """Plain rounds before a probe with ``rows`` head rows to catch up may come, by its price:
         L / (explore_share * T(0))."""
@@ -269,10 +342,15 @@ class DepthPolicy:
         self.zero_run += rounds - 1
         return rounds
 
-    def update(self, depth: int, accepted: int) -> None:
-        """A round drafted ``depth`` tokens and ``accepted`` of them matched."""
+    def update(self, depth: int, accepted: int, confidences: list[float] | None = None) -> None:
+        """A round drafted ``depth`` tokens and ``accepted`` of them matched; ``confidences``
+        (one per draft) train the calibration, when there is one."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"update({depth}, {accepted}) out of range")
+        if confidences is not None and self.calibration is not None:
+            if len(confidences) != depth:
+                raise ValueError(f"update: {len(confidences)} confidences for depth {depth}")
+            self.calibration.update(confidences, accepted)
         self._best = self._drafting = self._probe_at = None
         self.drafted = True
         if accepted:  # evidence that the head predicts: the probe runs start short again
@@ -310,4 +388,5 @@ class DepthPolicy:
     def state(self) -> dict:
         return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth(),
                 "round_ms": [round(t * 1e3, 4) for t in self.round_times()], "timed_rounds": list(self.times.rounds),
-                "probe_extra_ms": None if self.probe_extra is None else round(self.probe_extra * 1e3, 4)}
+                "probe_extra_ms": None if self.probe_extra is None else round(self.probe_extra * 1e3, 4),
+                **({"calibration": self.calibration.state()} if self.calibration is not None else {})}

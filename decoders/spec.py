@@ -19,6 +19,10 @@ the rows past a rejection are never needed. Greedy decoding runs the greedy code
 Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder arguments:
   max_depth      largest draft depth (window = depth + 1 rows), default 6
   depth          fix the depth instead of adapting (benchmarks)
+  stop           how a drafting round's depth is set: ``depth`` (default), the policy's depth for
+                 the round, chosen before drafting; ``confidence``, drafts chained while the head's
+                 calibrated confidence in them says one more is worth its price (decoders/policy.py),
+                 each draft's confidence read as it is made (a wait for the device per draft)
   shortlist      JSON file of draft token ids (decoders/shortlist.py builds one); default: the
                  checkpoint's draft_shortlist.json when there is one, else the full vocabulary
   explore_every  the most rounds at depth 0 between probes while probes are cheap (the first run
@@ -58,7 +62,7 @@ from core.sampling import GREEDY, Sampler, pick_rows_from_keys
 from decoders.base import DecodeResult, DecodeStats, stop_index
 from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head, load_shortlist,
                               shortlist_source)
-from decoders.policy import Costs, DepthPolicy
+from decoders.policy import Calibration, Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
 from decoders.sampled import TargetPicks, settings
@@ -118,6 +122,8 @@ def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
     return j
 
 
+STOPS = ("depth", "confidence")  # how a drafting round's depth is set (the ``stop`` argument)
+
 # the most plain steps decoded between two of the policy's choices: at most this many rounds pass
 # before a change of the plain step's measured time can turn drafting on
 PLAIN_RUN = 16
@@ -162,13 +168,19 @@ class SpecDecoder:
 
     def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
                  explore_every: int = 64, capacity: int = DEFAULT_CAPACITY, head: str | None = None,
-                 online_costs: bool = True, coupled: bool = True, lazy_rows: bool | str | None = "auto"):
+                 online_costs: bool = True, coupled: bool = True, lazy_rows: bool | str | None = "auto",
+                 stop: str = "depth"):
         self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
         if not 0 <= self.max_depth <= 15:
             raise ValueError("max_depth must be within 0..15")
         if self.fixed is not None and self.fixed < 0:
             raise ValueError(f"depth must be >= 0 (0: plain steps only), not {self.fixed}")
+        if stop not in STOPS:
+            raise ValueError(f"stop must be one of {', '.join(STOPS)}, not {stop!r}")
+        if stop == "confidence" and self.fixed is not None:
+            raise ValueError("stop=confidence sets each round's depth; it cannot be combined with depth=")
+        self.stop = stop
         self.shortlist_path = shortlist
         self.head_dir = head
         self.head = None
@@ -226,7 +238,7 @@ class SpecDecoder:
         # a round catches up on its accepted rows + 1 (at most max_depth + 1); longer catch-ups,
         # after plain steps, run in chunks of graphed sizes
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1,
-                                  coupled=self.coupled)
+                                  coupled=self.coupled, confidence=self.stop == "confidence")
         self.picks = TargetPicks(self.model.device, self.runtime.use_graphs)
 
     def reserve(self, positions: int) -> None:
@@ -303,7 +315,7 @@ class SpecDecoder:
                "shortlist": self.shortlist_source(),
                "shortlist_size": None if self.drafter is None or self.drafter.shortlist is None
                else int(self.drafter.shortlist.numel()),
-               "explore_every": self.explore_every, "online_costs": self.online_costs,
+               "explore_every": self.explore_every, "online_costs": self.online_costs, "stop": self.stop,
                "coupled": self.coupled, "lazy_rows": self.lazy_rows}
         if self.runtime is not None:
             rt, dr = self.runtime, self.drafter
@@ -333,7 +345,8 @@ class SpecDecoder:
         costs = self.costs if sampler is None or sampler.greedy else self.sampled_costs(sampler)
         return DepthPolicy(costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
                            online=self.online_costs, first_draft=blocks * costs.head_prefill,
-                           catch_up_calls=lambda rows: len(self.drafter.catch_up_chunks(rows)))
+                           catch_up_calls=lambda rows: len(self.drafter.catch_up_chunks(rows)),
+                           calibration=Calibration() if self.stop == "confidence" else None)
 
     def sampled_costs(self, sampler: Sampler) -> Costs:
         """The start-up costs under ``sampler`` (bound to the picks and the drafter): a plain step
@@ -439,9 +452,11 @@ class SpecDecoder:
                 new = plain_steps(pending, rounds, eos)
                 stats.extra["depth_trace"] += [0] * len(new)
             else:
+                if policy.calibration is not None:  # the round sets its own depth, up to max_depth
+                    depth = min(self.max_depth, max_new_tokens - len(tokens))
+                new, depth, confidences = spec_round(pending, policy, depth, len(tokens), timer)
                 stats.extra["depth_trace"].append(depth)
-                new = spec_round(pending, depth, len(tokens), timer)
-                policy.update(depth, len(new) - 1)
+                policy.update(depth, len(new) - 1, confidences)
                 stats.record_round(depth, len(new) - 1)
             now = time.perf_counter()  # the round's tokens were just read: a sync point
             if draft is not None:
@@ -453,7 +468,7 @@ class SpecDecoder:
                 timer.add("step", now - step_from)
             if draft is not None:
                 hit = int(draft.item()) == new[0]
-                policy.update(1, int(hit))
+                policy.update(1, int(hit), self.probe_confidence(policy, len(tokens)))
                 stats.extra["probes"] += 1
                 stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
@@ -525,12 +540,42 @@ class SpecDecoder:
             draft = self.propose(self.drafter.draft(*pending.take(), 1), emitted)[0]
         return draft
 
-    def _spec_round(self, pending: Pending, depth: int, emitted: int, timer: PhaseTimer) -> list[int]:
-        """Draft ``depth`` tokens, verify [y, drafts] in one window, keep the accepted prefix and
-        the model's own next token, roll back past it. Returns the kept tokens (accepted + 1)."""
-        rt, dr = self.runtime, self.drafter
+    def _draft(self, pending: Pending, policy: DepthPolicy, depth: int,
+               emitted: int) -> tuple[list[torch.Tensor], list[float] | None]:
+        """A drafting round's drafts (``propose``'s) and, with confidence stopping, the
+        confidences the policy saw: ``depth`` drafts, or with confidence stopping as many as
+        ``policy.draft_more`` asks for, ``depth`` at most."""
+        dr = self.drafter
+        if policy.calibration is None:
+            return self.propose(dr.draft(*pending.take(), depth), emitted), None
+        seen: list[float] = []
+
+        def more(confidences: list[float]) -> bool:
+            seen[:] = self.confidences(confidences, emitted)
+            return len(seen) < depth and policy.draft_more(seen)
+
+        drafts, _ = dr.draft_until(*pending.take(), more)
+        return self.propose(drafts, emitted), seen
+
+    def confidences(self, confidences: list[float], emitted: int) -> list[float]:
+        """The confidences the policy sees for a round's drafts (the instrument overrides this)."""
+        return confidences
+
+    def probe_confidence(self, policy: DepthPolicy, emitted: int) -> list[float] | None:
+        """With confidence stopping, the probe's draft's confidence (read after its step)."""
+        if policy.calibration is None:
+            return None
+        return self.confidences([float(self.drafter.in_conf)], emitted)
+
+    def _spec_round(self, pending: Pending, policy: DepthPolicy, depth: int, emitted: int,
+                    timer: PhaseTimer) -> tuple[list[int], int, list[float] | None]:
+        """Draft (``_draft``), verify [y, drafts] in one window, keep the accepted prefix and the
+        model's own next token, roll back past it. Returns the kept tokens (accepted + 1), the
+        depth drafted and the drafts' confidences (None without confidence stopping)."""
+        rt = self.runtime
         with timer.phase("draft"):
-            drafts = self.propose(dr.draft(*pending.take(), depth), emitted)
+            drafts, confidences = self._draft(pending, policy, depth, emitted)
+        depth = len(drafts)
         with timer.phase("verify"):
             block = torch.cat([pending.y] + drafts, dim=1)
             prog = rt.verify(block)
@@ -544,15 +589,17 @@ class SpecDecoder:
         pending.y = argmax[:, j:j + 1]
         # the kept rows 0..j are pending now: the window left them in the runtime's kept rows, so
         # the next round's inputs stay on the device with no copy
-        return pred[:j + 1]
+        return pred[:j + 1], depth, confidences
 
-    def _spec_round_sampled(self, pending: Pending, depth: int, emitted: int, timer: PhaseTimer) -> list[int]:
+    def _spec_round_sampled(self, pending: Pending, policy: DepthPolicy, depth: int, emitted: int,
+                            timer: PhaseTimer) -> tuple[list[int], int, list[float] | None]:
         """As ``_spec_round``, the model's token at each row being the sampler's pick at that
         row's position, and the window's kept rows' next tokens (the head's pending rows) those
         picks rather than the rows' argmaxes."""
-        rt, dr = self.runtime, self.drafter
+        rt = self.runtime
         with timer.phase("draft"):
-            drafts = self.propose(dr.draft(*pending.take(), depth), emitted)
+            drafts, confidences = self._draft(pending, policy, depth, emitted)
+        depth = len(drafts)
         with timer.phase("verify"):
             block = torch.cat([pending.y] + drafts, dim=1)
             start = rt.length
@@ -563,7 +610,7 @@ class SpecDecoder:
         row_next = rt.state.row_next
         row_next[:, start:start + j + 1].copy_(self.picks.out(prog)[:j + 1])
         pending.y = row_next[:, start + j:start + j + 1]
-        return pred[:j + 1]
+        return pred[:j + 1], depth, confidences
 
     def _pick_window(self, prog, block: torch.Tensor, depth: int) -> tuple[list[int], int]:
         """The picks of the window's rows (as many as are known) and the accepted count j. Lazy:
@@ -603,7 +650,9 @@ class InstrumentedSpecDecoder(SpecDecoder):
       trace  a file ``python -m decoders.trace`` wrote from a real model and head: the k-th draft
              of a round starting at stream position t is right exactly where the traced head's
              was (``Trace.accepts``; a prompt the trace lacks, or a longer run, cycles through its
-             rows), so a real head's acceptance pattern drives the costs of the model timed
+             rows), so a real head's acceptance pattern drives the costs of the model timed;
+             with ``stop=confidence`` the policy sees the traced head's confidences too, where
+             the trace recorded them
     The control's stream comes from ``prepare_prompt``, which the harness calls untimed before a
     prompt's legs (with the legs' ``sampler``: under sampling it is the sampled control's stream,
     and the right drafts are its tokens); runs are marked as an instrument and the audit checks
@@ -686,6 +735,14 @@ class InstrumentedSpecDecoder(SpecDecoder):
         if self.trace is not None:
             return Trace.accepts(self._row, emitted - 1, k)
         return float(torch.rand((), generator=self._rng)) < self.alpha
+
+    def confidences(self, confidences: list[float], emitted: int) -> list[float]:
+        """With a trace that recorded them, the traced head's confidences in the round's drafts
+        (``Trace.confidence``), so ``stop=confidence`` decides as with that head; else the head's
+        own."""
+        if self._row is None or self._row.conf is None:
+            return confidences
+        return [Trace.confidence(self._row, emitted - 1, k) for k in range(1, len(confidences) + 1)]
 
     def propose(self, drafts: list[torch.Tensor], emitted: int) -> list[torch.Tensor]:
         """The head's drafts were computed (every cost stays real); replace each by the control's

@@ -15,20 +15,23 @@ sampled control's and the drafts are ``spec``'s coupled drafts (the target's noi
 position; ``--uncoupled``: plain argmax), so the trace is the head's acceptance under sampling.
 With ``--head-top-k K`` (default 4; 0: none) each position also records where s_{t+1} ranks among
 the K branches a tree of drafts would verify at depth 1: the draft itself (rank 0), then the head's
-best other ids by draft logit (-1: none of them).
+best other ids by draft logit (-1: none of them). Every draft's confidence (the head's probability
+of it) is recorded too, as its tenth: one digit per bit, 0-9.
 A row's catch-up here is always one row, where ``spec`` catches up
 on a round's accepted rows at once; a batched head forward may round differently, so a trace is
 the head's acceptance along the stream, not a record of any one ``spec`` run.
 
 The JSON file holds the source model (name and identity), the drafter's settings (the sampler
 and the coupling among them), the prompt set
-(source, sha256, count), n, and per prompt its id, the sha256 of its token ids, the stream and one
-bit string per position ("1" accepted, "0" not) and, with ``head_top_k``, the ranks; plus, per
-depth, the conditional acceptance P(draft k accepted | drafts 1..k-1 accepted) and the tokens per
-round a fixed depth gives, and with the ranks what a second branch at depth 1 would add
-(``summarize``).
+(source, sha256, count), n, and per prompt its id, the sha256 of its token ids, the stream, one
+bit string per position ("1" accepted, "0" not), one digit string of the drafts' confidences
+(``"confidence": true``; files without it have none) and, with ``head_top_k``, the ranks; plus,
+per depth, the conditional acceptance P(draft k accepted | drafts 1..k-1 accepted) and the tokens
+per round a fixed depth gives, per tenth of confidence the acceptance of the drafts observed, and
+with the ranks what a second branch at depth 1 would add (``summarize``).
 
-``spec-instrument --decoder-arg trace=FILE`` replays a trace on any model (``Trace.accepts``).
+``spec-instrument --decoder-arg trace=FILE`` replays a trace on any model (``Trace.accepts``, and
+for ``stop=confidence`` ``Trace.confidence``).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from core.prompts import load_prompts
 from core.sampling import Sampler, SamplerError
 from core.schema import write_json_atomic
 from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
+from decoders.policy import CONFIDENCE_BINS, confidence_bin
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import capacity_for
 from decoders.sampled import TargetPicks
@@ -56,6 +60,7 @@ from decoders.sampled import TargetPicks
 FORMAT = "qwen35-exact/acceptance-trace/1"
 MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
 MAX_HEAD_TOP_K = 16
+DIGITS = set("0123456789")
 
 
 def prompt_sha256(token_ids: list[int]) -> str:
@@ -69,6 +74,7 @@ class TraceRow:
     tokens: list[int]  # the stream s_0..s_{m-1} (greedy, or the recorded sampler's)
     bits: list[str]  # bits[t][k-1] == "1": the k-th draft chained from s_t equals s_{t+k}
     ranks: list[int] | None = None  # ranks[t]: s_{t+1}'s rank among the depth-1 branches (0: the draft; -1: none)
+    conf: list[str] | None = None  # conf[t][k-1]: the tenth (0-9) of the k-th chained draft's confidence
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,19 @@ class Trace:
         full = sum(1 for b in row.bits if len(b) >= k)
         return full > 0 and row.bits[t % full][k - 1] == "1"
 
+    @staticmethod
+    def confidence(row: TraceRow, t: int, k: int) -> float:
+        """Depth k's draft's confidence from position t, as its tenth's midpoint; past the row the
+        positions cycle as in ``accepts``. A row without confidences (or none at depth k): 0.5."""
+        if row.conf is None:
+            return 0.5
+        if not (t < len(row.conf) and k <= len(row.conf[t])):
+            full = sum(1 for c in row.conf if len(c) >= k)
+            if not full:
+                return 0.5
+            t %= full
+        return (int(row.conf[t][k - 1]) + 0.5) / CONFIDENCE_BINS
+
 
 def leading_ones(bits: str, depth: int) -> int:
     """Drafts a round of ``depth`` keeps: the accepted run from the first draft on."""
@@ -107,10 +126,11 @@ def leading_ones(bits: str, depth: int) -> int:
 
 
 def summarize(rows: list[list[str]], max_depth: int, ranks: list[list[int]] | None = None,
-              top_k: int = 0) -> dict:
+              top_k: int = 0, conf: list[list[str]] | None = None) -> dict:
     """Per-depth conditional acceptance, and the tokens per round (accepted + 1) that a fixed
     depth d gives when its rounds walk the stream (each round starting where the last one left).
-    With each row's ``ranks`` (``top_k`` of them recorded), also ``second_branch``."""
+    With each row's ``ranks`` (``top_k`` of them recorded), also ``second_branch``; with its
+    confidences, ``by_confidence``."""
     per_depth = []
     for k in range(1, max_depth + 1):
         reached = [b for bits in rows for b in bits if len(b) >= k and leading_ones(b, k - 1) == k - 1]
@@ -121,7 +141,24 @@ def summarize(rows: list[list[str]], max_depth: int, ranks: list[list[int]] | No
     out = {"per_depth": per_depth, "tokens_per_round_at_fixed_depth": per_round}
     if ranks is not None and top_k > 0:
         out["second_branch"] = second_branch(rows, ranks, max_depth, top_k)
+    if conf is not None:
+        out["by_confidence"] = by_confidence(rows, conf)
     return out
+
+
+def by_confidence(rows: list[list[str]], conf: list[list[str]]) -> list[dict]:
+    """Per tenth of confidence, the drafts observed (each up to and including a round's first
+    rejection, at every depth) and the share accepted: how well the head's confidence predicts."""
+    seen, hit = [0] * CONFIDENCE_BINS, [0] * CONFIDENCE_BINS
+    for bits_row, conf_row in zip(rows, conf):
+        for bits, digits in zip(bits_row, conf_row):
+            for k, (b, d) in enumerate(zip(bits, digits)):
+                seen[int(d)] += 1
+                hit[int(d)] += b == "1"
+                if b == "0":
+                    break
+    return [{"tenth": i, "drafts": seen[i], "accepted": hit[i] / seen[i] if seen[i] else None}
+            for i in range(CONFIDENCE_BINS)]
 
 
 def tokens_per_round(rows: list[list[str]], depth: int, ranks: list[list[int]] | None = None) -> float | None:
@@ -163,24 +200,29 @@ def second_branch(rows: list[list[str]], ranks: list[list[int]], max_depth: int,
 @torch.inference_mode()
 def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, max_depth: int,
                   eos: set[int], picks: TargetPicks | None = None,
-                  top_k: int = 0) -> tuple[list[int], list[str], list[int] | None]:
-    """The stream of one prompt, its bit strings and (``top_k`` > 0) its ranks (see the module
-    docstring): greedy, or with ``picks`` (bound to a sampler) the sampled stream."""
+                  top_k: int = 0) -> tuple[list[int], list[str], list[int] | None, list[str]]:
+    """The stream of one prompt, its bit strings, (``top_k`` > 0) its ranks and its confidence
+    digits (see the module docstring): greedy, or with ``picks`` (bound to a sampler) the sampled
+    stream. The drafter must be built with ``confidence=True``."""
     logits, hidden = runtime.prefill(prompt_ids)
     drafter.prefill(hidden, prompt_ids)
     y = logits.argmax(-1).view(1, 1) if picks is None else picks.first(logits, len(prompt_ids))
     row_hidden = hidden[:, -1:]
-    tokens, chains, heads = [int(y.item())], [], []
+    tokens, chains, heads, confs = [int(y.item())], [], [], []
     while True:
         # the true row (hidden state at s_t's position, s_t), then max_depth chained drafts; the
         # chained rows lie past the true ones, so the next position's catch-up overwrites them.
         # One draft, then the chained steps: the same calls as draft(..., max_depth), with the
         # head's first output row read in between
         drafts = drafter.draft(row_hidden, y, 1)
+        conf = [drafter.in_conf.clone()]
         if top_k:  # one more than kept: the draft itself may be any of them under coupling or a tie
             heads.append(drafter.head_candidates(top_k + 1))
-        drafts += [drafter.chained_step(drafter.filled + i) for i in range(max_depth - 1)]
+        for i in range(max_depth - 1):
+            drafts.append(drafter.chained_step(drafter.filled + i))
+            conf.append(drafter.in_conf.clone())
         chains.append(torch.cat(drafts, dim=1))
+        confs.append(torch.cat(conf))
         if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             break
         prog = runtime.step(y)
@@ -197,7 +239,9 @@ def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, 
         best = [[drafts[t][0]] + [v for v in top if v != drafts[t][0]][:top_k - 1]
                 for t, top in enumerate(torch.stack(heads[:m - 1]).tolist())] if m > 1 else []
         ranks = [best[t].index(tokens[t + 1]) if tokens[t + 1] in best[t] else -1 for t in range(m - 1)]
-    return tokens, bits, ranks
+    tenths = torch.stack(confs).tolist()
+    digits = ["".join(str(confidence_bin(c)) for c in tenths[t][:len(bits[t])]) for t in range(m)]
+    return tokens, bits, ranks, digits
 
 
 def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | None = None,
@@ -220,7 +264,7 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     runtime = ExactRuntime(model, capacity=capacity, windows=(1,))
     sampled = sampler is not None and not sampler.greedy
     drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1,
-                         coupled=sampled and coupled)
+                         coupled=sampled and coupled, confidence=True)
     picks = None
     if sampled:
         drafter.couple(sampler if coupled else None)
@@ -229,10 +273,10 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
     eos = set(model.eos_token_ids)
     rows = []
     for i, p in enumerate(prompts):
-        tokens, bits, ranks = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos, picks,
-                                            head_top_k)
+        tokens, bits, ranks, conf = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos,
+                                                  picks, head_top_k)
         rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits,
-                     **({"ranks": ranks} if head_top_k else {})})
+                     "conf": conf, **({"ranks": ranks} if head_top_k else {})})
         if progress:
             progress(i + 1, len(prompts), len(tokens))
     head_file = Path(head) / HEAD_FILE if head is not None else None
@@ -245,9 +289,11 @@ def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | 
         "max_new_tokens": max_new_tokens,
         "max_depth": max_depth,
         "head_top_k": head_top_k,
+        "confidence": True,
         "rows": rows,
         "acceptance": summarize([r["bits"] for r in rows], max_depth,
-                                [r["ranks"] for r in rows] if head_top_k else None, head_top_k),
+                                [r["ranks"] for r in rows] if head_top_k else None, head_top_k,
+                                [r["conf"] for r in rows]),
     }
 
 
@@ -272,6 +318,8 @@ def load(path) -> Trace:
     need(isinstance(rows, list) and rows, "rows must be a non-empty list")
     top_k = data.get("head_top_k", 0)
     need(isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k <= MAX_HEAD_TOP_K, "head_top_k")
+    with_conf = data.get("confidence", False)
+    need(isinstance(with_conf, bool), "confidence must be true or false")
     out = []
     for i, r in enumerate(rows):
         need(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("prompt_sha256"), str),
@@ -287,8 +335,14 @@ def load(path) -> Trace:
         need(ranks is None or (isinstance(ranks, list) and len(ranks) == len(tokens) - 1
                                and all(isinstance(k, int) and not isinstance(k, bool) and -1 <= k < top_k
                                        for k in ranks)), f"row {i}: ranks, one per position with a next token")
+        conf = r.get("conf")
+        need((conf is None) == (not with_conf), f"row {i}: conf recorded exactly when confidence is true")
+        need(conf is None or (isinstance(conf, list) and len(conf) == len(bits)
+                              and all(isinstance(c, str) and set(c) <= DIGITS and len(c) == len(b)
+                                      for c, b in zip(conf, bits))),
+             f"row {i}: conf, one digit string per bit string, as long")
         out.append(TraceRow(r["id"], r["prompt_sha256"], list(tokens), list(bits),
-                            None if ranks is None else list(ranks)))
+                            None if ranks is None else list(ranks), None if conf is None else list(conf)))
     meta = {k: data.get(k) for k in ("model", "drafter", "prompts")}
     return Trace(max_depth=depth, max_new_tokens=n, rows=out, meta=meta)
 
@@ -334,7 +388,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     data["prompts"] = info
-    write_json_atomic(args.out, data)
+    write_json_atomic(args.out, data, indent=None)  # a data file: 2-3 KB per 100 positions
     acc = ", ".join(f"{d['conditional']:.3f}" if d["conditional"] is not None else "-"
                     for d in data["acceptance"]["per_depth"])
     print(f"wrote {args.out}: {len(data['rows'])} prompts, conditional acceptance by depth {acc}")
@@ -343,6 +397,8 @@ def main(argv=None) -> int:
         per_round = ", ".join(f"{v:.3f}" for v in branch["tokens_per_round_at_fixed_depth"].values() if v is not None)
         print(f"depth-1 misses whose token is the second branch: {branch['misses_in_top']['2']:.3f}; "
               f"tokens per round by depth with a second branch at depth 1: {per_round}")
+    tenths = ", ".join("-" if b["accepted"] is None else f"{b['accepted']:.2f}" for b in data["acceptance"]["by_confidence"])
+    print(f"acceptance by tenth of the head's confidence (0.0-0.1 ... 0.9-1.0): {tenths}")
     return 0
 
 

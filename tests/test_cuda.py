@@ -118,15 +118,16 @@ def test_graphed_windows_rollback_and_continue_equal_the_control(models, which):
     assert len(rt._rollback_graphs) >= 5  # rollbacks ran as captured graphs
 
 
-@pytest.mark.parametrize("coupled", [False, True])
-def test_drafter_graphs_equal_the_same_drafter_eager(models, coupled):
+@pytest.mark.parametrize("coupled,confidence", [(False, False), (True, False), (False, True), (True, True)])
+def test_drafter_graphs_equal_the_same_drafter_eager(models, coupled, confidence):
     """Catch-ups of every graphed size (and longer ones in chunks) and chained steps, replayed
     from graphs, draft and write K/V exactly as the same functions run eagerly; coupled to a
-    sampler's noise (the coupled graphs, T and the seed read from device tensors) too."""
+    sampler's noise (the coupled graphs, T and the seed read from device tensors) too; with
+    ``confidence``, each draft's confidence is the eager one's, bit for bit."""
     model = models["tiny"]
     cap, dev = 256, model.device
-    graphed = MTPDrafter(model, cap, max_rows=7, coupled=coupled)
-    eager = MTPDrafter(model, cap, max_rows=7, use_graphs=False, coupled=coupled)
+    graphed = MTPDrafter(model, cap, max_rows=7, coupled=coupled, confidence=confidence)
+    eager = MTPDrafter(model, cap, max_rows=7, use_graphs=False, coupled=coupled, confidence=confidence)
     if coupled:
         for d in (graphed, eager):
             d.couple(Sampler(temperature=0.8, seed=2 ** 63 + 11))
@@ -141,8 +142,16 @@ def test_drafter_graphs_equal_the_same_drafter_eager(models, coupled):
     pos, seen = prompt - 1, set()
     for m, depth in [(1, 1), (3, 4), (7, 2), (2, 6), (5, 1), (16, 3), (4, 7), (40, 2), (6, 5), (65, 3), (1, 1)]:
         rows_h, rows_t = hidden[:, pos:pos + m], tokens[:, pos + 1:pos + 1 + m]
-        got = [int(t) for t in graphed.draft(rows_h, rows_t, depth)]
-        want = [int(t) for t in eager.draft(rows_h, rows_t, depth)]
+        if confidence:
+            def more(confidences, depth=depth):
+                return len(confidences) < depth
+            got, got_conf = graphed.draft_until(rows_h, rows_t, more)
+            want, want_conf = eager.draft_until(rows_h, rows_t, more)
+            assert got_conf == want_conf and len(got_conf) == depth, (m, depth)
+            got, want = [int(t) for t in got], [int(t) for t in want]
+        else:
+            got = [int(t) for t in graphed.draft(rows_h, rows_t, depth)]
+            want = [int(t) for t in eager.draft(rows_h, rows_t, depth)]
         assert got == want, (m, depth)
         # the rows written since the prefill: the caught-up rows and the chained steps' rows; rows
         # past them are scratch (graph capture's warm-ups write there at construction, and
@@ -170,7 +179,9 @@ def serial_tokens(models):
 @pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec", {}), ("spec", {"depth": 3}),
                                          ("spec-instrument", {"alpha": 0.8, "max_depth": 6}),
                                          ("spec-instrument", {"alpha": 0.8, "depth": 3}),
-                                         ("spec-instrument", {"alpha": 1.0, "depth": 5})])
+                                         ("spec-instrument", {"alpha": 1.0, "depth": 5}),
+                                         ("spec", {"stop": "confidence"}),
+                                         ("spec-instrument", {"alpha": 0.8, "stop": "confidence"})])
 def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
     prompts, want = serial_tokens
     dec = get_decoder(name, **kwargs)
@@ -386,7 +397,8 @@ def sampled_serial_tokens(models):
                                          ("spec-instrument", {"alpha": 0.6, "max_depth": 6}),
                                          ("spec-instrument", {"alpha": 0.8, "depth": 4, "lazy_rows": True}),
                                          ("spec-instrument", {"alpha": 0.8, "depth": 3}),
-                                         ("spec-instrument", {"alpha": 1.0, "depth": 5})])
+                                         ("spec-instrument", {"alpha": 1.0, "depth": 5}),
+                                         ("spec-instrument", {"alpha": 0.8, "stop": "confidence"})])
 def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial_tokens, name, kwargs):
     """At T in {0.3, 0.6, 1.0}, with and without top-k / top-p / min-p, every token equals the
     serial control's under the same sampler, through the graphed steps, windows, rollbacks,

@@ -82,3 +82,34 @@ def test_spec_sizes_catch_up_to_its_window(tiny):
     dec = SpecDecoder(max_depth=3)
     dec.prepare(tiny)
     assert sorted(dec.drafter._rows) == [1, 2, 3, 4, 16, 32, 64]  # accepted rows + 1 <= max_depth + 1; long chunks
+
+
+def test_confidence_leaves_the_drafts_as_they_are_and_is_the_heads_probability_of_each(tiny):
+    """``confidence=True``: the same drafts and head rows as without; after each draft ``in_conf``
+    is the head's softmax probability of it; ``draft_until`` chains while ``more`` says so."""
+    cap = 128
+    plain, confident = MTPDrafter(tiny, cap, max_rows=4), MTPDrafter(tiny, cap, max_rows=4, confidence=True)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(tiny.vocab_size, (1, cap), generator=g)
+    hidden = torch.randn(1, cap, tiny.backbone.config.hidden_size, generator=g).to(plain.keys.dtype)
+    for d in (plain, confident):
+        d.prefill(hidden[:, :8], tokens[0, :8].tolist())
+    pos = 7
+    for m, depth in ((1, 3), (3, 1), (2, 5), (4, 2)):
+        rows_h, rows_t = hidden[:, pos:pos + m], tokens[:, pos + 1:pos + 1 + m]
+        want = [int(t) for t in plain.draft(rows_h, rows_t, depth)]
+        asked = []
+
+        def more(confidences, depth=depth):
+            asked.append(list(confidences))
+            probs = torch.softmax(torch.nn.functional.linear(confident.in_hidden, confident.head_weight).float(), -1)
+            assert confidences[-1] == float(probs.max())  # the draft just made: the head's argmax
+            return len(confidences) < depth
+
+        drafts, confidences = confident.draft_until(rows_h, rows_t, more)
+        assert [int(t) for t in drafts] == want and len(confidences) == depth
+        assert asked == [confidences[:k] for k in range(1, depth + 1)] and all(0 < c <= 1 for c in confidences)
+        assert torch.equal(plain.keys, confident.keys)
+        pos += m
+    with pytest.raises(ValueError, match="confidence=True"):
+        plain.draft_until(hidden[:, pos:pos + 1], tokens[:, pos + 1:pos + 2], lambda c: False)

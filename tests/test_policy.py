@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from decoders.policy import Costs, DepthPolicy, RoundTimes
+from decoders.policy import Calibration, Costs, DepthPolicy, RoundTimes, confidence_bin
 
 # Shaped like the H200 measurements in bench/NOTES.md: step 9.8 ms, window w costs ~1 + 0.1*(w-1)
 # steps, a head step ~0.5 ms.
@@ -368,3 +368,38 @@ def test_plain_rounds_run_until_a_probe_could_be_due():
     assert max(runs) == 16 and seen == 400
     assert DepthPolicy(GPU, max_depth=6, fixed=0).plain_rounds(16) == 16
     assert DepthPolicy(GPU, max_depth=6).plain_rounds(1) == 1
+
+
+def test_calibration_learns_each_tenth_of_confidence_from_the_drafts_observed():
+    cal = Calibration(strength=2.0, forget=1.0)
+    assert cal.accept(0.97) == pytest.approx(0.95) and cal.accept(0.0) == pytest.approx(0.05)
+    assert confidence_bin(1.0) == 9 and confidence_bin(0.1) == 1 and confidence_bin(-0.1) == 0
+    # drafts at 0.95, 0.95, 0.15, 0.95 with one accepted: the first two observed, the rest never seen
+    cal.update([0.95, 0.95, 0.15, 0.95], accepted=1)
+    assert cal.trials[9] == 2 and cal.hits[9] == 1 and cal.trials[1] == 0
+    assert cal.accept(0.9) == pytest.approx((1 + 0.95 * 2) / (2 + 2))
+    cal.update([0.15], accepted=0)
+    assert cal.trials[1] == 1 and cal.hits[1] == 0 and cal.accept(0.15) == pytest.approx(0.15 * 2 / 3)
+    decaying = Calibration(forget=0.5)
+    decaying.update([0.5], accepted=1)
+    decaying.update([0.7], accepted=0)
+    assert decaying.trials[5] == 0.5 and decaying.trials[7] == 1.0
+
+
+def test_draft_more_weighs_the_next_drafts_tokens_against_its_price():
+    costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+    p = DepthPolicy(costs, max_depth=4, online=False, calibration=Calibration())
+    price = p.round_times()[2] - p.round_times()[1]
+    assert price == pytest.approx(0.15)
+    for confidences in ([0.95], [0.95, 0.95], [0.95, 0.05], [0.45], [0.05]):
+        cum = math.prod(p.calibration.accept(c) for c in confidences)
+        k = len(confidences)
+        want = cum * p.accept[k] >= p.rate() * (p.round_times()[k + 1] - p.round_times()[k])
+        assert p.draft_more(confidences) == want
+    assert p.draft_more([0.95]) and not p.draft_more([0.05])
+    assert not p.draft_more([0.99] * 4)  # never past max_depth
+    assert not DepthPolicy(costs, max_depth=4).draft_more([0.99])  # no calibration: the depth is chosen
+    with pytest.raises(ValueError, match="confidences"):
+        p.update(2, 1, [0.9])
+    p.update(2, 1, [0.95, 0.95])
+    assert p.calibration.trials[9] > 0 and "calibration" in p.state()

@@ -137,6 +137,30 @@ def test_bad_arguments():
         SpecDecoder(max_depth=99)
     with pytest.raises(ValueError):
         InstrumentedSpecDecoder(alpha=1.5)
+    with pytest.raises(ValueError, match="stop must be one of depth, confidence"):
+        SpecDecoder(stop="never")
+    with pytest.raises(ValueError, match="depth="):
+        SpecDecoder(stop="confidence", depth=3)
+
+
+@pytest.mark.parametrize("sampler", [None, Sampler(temperature=0.6, top_k=8, seed=4)], ids=["greedy", "sampled"])
+def test_confidence_stop_sets_each_rounds_depth_and_stays_exact(tiny, serial, prompts, sampler):
+    """``stop=confidence``: rounds of many depths, set on the way by the head's calibrated
+    confidence, every token the control's (greedy and sampled), the calibration in the stats."""
+    dec = InstrumentedSpecDecoder(alpha=0.8, max_depth=6, online_costs=False, stop="confidence")
+    dec.prepare(tiny)
+    assert dec.drafter.confidence and dec.config()["stop"] == "confidence"
+    dec.costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+    depths = set()
+    for seed in range(3):
+        dec.seed = seed
+        for ids in prompts:
+            res = dec.decode(ids, 48, sampler=sampler)
+            assert res.tokens == serial.decode(ids, 48, sampler=sampler).tokens
+            depths |= set(res.stats.extra["depth_trace"]) - {0}
+            assert res.stats.drafted == sum(res.stats.extra["depth_trace"])
+    assert len(depths) >= 3 and max(depths) > 3
+    assert len(res.stats.extra["policy"]["calibration"]) == 10
 
 
 def test_accepted_prefix_counts_leading_agreement():

@@ -267,3 +267,60 @@ def test_second_branch_counts_on_a_known_trace():
     assert out["tokens_per_round_at_fixed_depth"] == {"1": 2.0}
     # without: t=0 1, t=1 1, t=2 2
     assert T.summarize(bits, 1)["tokens_per_round_at_fixed_depth"]["1"] == 4 / 3
+
+
+def test_confidences_are_recorded_per_draft_and_steer_the_instruments_confidence_stop(tiny, prompts, streams, tmp_path):
+    """Every draft's confidence is recorded as its tenth, one digit per bit; it loads back, bad
+    digits are user errors, and past a row it cycles as the bits do. Replayed under
+    ``stop=confidence`` from a trace whose confidences say exactly which drafts are right, no
+    round drafts past the first draft the head doubts, the tokens stay the control's and each
+    round accepts exactly what the trace marks."""
+    data = T.record(tiny, prompts[:1], 16, max_depth=3)
+    row = data["rows"][0]
+    assert data["confidence"] is True and [len(c) for c in row["conf"]] == [len(b) for b in row["bits"]]
+    assert all(set(c) <= set("0123456789") for c in row["conf"]) and len(data["acceptance"]["by_confidence"]) == 10
+    seen = sum(b["drafts"] for b in data["acceptance"]["by_confidence"])
+    assert seen == sum(min(len(b), b.find("0") + 1 if "0" in b else len(b)) for b in row["bits"])
+    path = tmp_path / "recorded.json"
+    write_json_atomic(path, data)
+    assert T.load(path).rows[0].conf == row["conf"]
+    for bad in ([c.replace("0", "x") for c in row["conf"]], row["conf"][:-1], None):
+        broken = {**data, "rows": [{**row, "conf": bad} if bad is not None else
+                                   {k: v for k, v in row.items() if k != "conf"}]}
+        path.write_text(json.dumps(broken))
+        with pytest.raises(UserError, match="conf"):
+            T.load(path)
+    short = T.TraceRow("x", "0" * 64, [1, 2, 3, 4], ["11", "01", "1", ""], conf=["93", "09", "5", ""])
+    assert T.Trace.confidence(short, 0, 1) == 0.95 and T.Trace.confidence(short, 1, 2) == 0.95
+    assert T.Trace.confidence(short, 5, 2) == T.Trace.confidence(short, 1, 2)  # cycles (full rows 0..1)
+    assert T.Trace.confidence(T.TraceRow("x", "0" * 64, [1], [""]), 0, 1) == 0.5
+
+    dense = dense_trace(prompts, streams, 6, seed=11)
+    for r in dense["rows"]:
+        r["conf"] = [b.replace("1", "9") for b in r["bits"]]  # sure of the right drafts, doubting the rest
+    dense["confidence"] = True
+    path = tmp_path / "informed.json"
+    write_json_atomic(path, dense)
+    trace = T.load(path)
+    dec = get_decoder("spec-instrument", trace=str(path), max_depth=6, online_costs=False, stop="confidence")
+    dec.prepare(tiny)
+    dec.costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+    deep = 0
+    for p, want in zip(prompts, streams):
+        res = dec.decode(p.token_ids, N)
+        assert res.tokens == want
+        t_row = trace.row_for(p.token_ids)
+        hist, _ = replay_rounds(trace, t_row, res.stats.extra["depth_trace"])
+        assert {int(k): v for k, v in res.stats.to_json()["accept_hist"].items()} == hist
+        emitted = 1
+        for d in res.stats.extra["depth_trace"]:
+            if d:
+                assert all(trace.accepts(t_row, emitted - 1, k) for k in range(1, d))  # none past a doubt
+                deep += d >= 3
+                j = 0
+                while j < d and trace.accepts(t_row, emitted - 1, j + 1):
+                    j += 1
+                emitted += j + 1
+            else:
+                emitted += 1
+    assert deep > 3
