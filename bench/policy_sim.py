@@ -2,7 +2,8 @@
 
     python bench/policy_sim.py --costs FILE[:CONFIG] (--alpha A [--alpha B ...] | --trace FILE [--trace ...])
                                [--stop depth,confidence] [-n TOKENS] [--prompts K] [--max-depth D]
-                               [--overhead-ms MS] [--sync-ms MS] [--json OUT]
+                               [--overhead-ms MS] [--sync-ms MS] [--draft-scale F] [--row-scale F]
+                               [--json OUT]
 
 It walks the decode loop of ``decoders/spec.py`` round by round with the real ``DepthPolicy``:
 plain runs, priced probes, drafting rounds whose catch-up covers the rows since the last draft,
@@ -22,6 +23,9 @@ as it sees measured ones in a decode.
 The ratio printed is decode time only, `fast-serial` at one step per token against the
 simulated rounds: the quantity the context bench's ``decode_ms_per_token`` compares (the harness's
 ratio also holds each side's prefill, which dilutes it).
+
+``--draft-scale`` and ``--row-scale`` ask what cheaper rounds would earn: the draft step's cost,
+and what each verify row costs beyond a one-row window, times F.
 
 ``--costs`` reads ``costs_s`` from: a stream (its candidate's config), a JSON object holding it,
 or a bench JSON whose ``configs`` maps names to decoder configs (``FILE:NAME`` picks one; the first
@@ -58,6 +62,13 @@ class Outcome:
 
     def ms_per_token(self) -> float:
         return 1e3 * self.seconds / max(1, self.tokens - 1)
+
+
+def scaled(costs: Costs, draft: float = 1.0, rows: float = 1.0) -> Costs:
+    """``costs`` with the draft step times ``draft`` and each window's rows past its first times ``rows``."""
+    one = costs.verify[1]
+    return Costs(step=costs.step, draft=costs.draft * draft, head_prefill=costs.head_prefill,
+                 verify={w: one + (v - one) * rows for w, v in costs.verify.items()})
 
 
 def costs_from(spec: str) -> Costs:
@@ -222,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-ms", type=float, default=0.0, help="added to every drafting round (default 0)")
     ap.add_argument("--stop", default="depth", help="comma-separated: depth, confidence (default depth)")
     ap.add_argument("--sync-ms", type=float, default=0.03, help="a confidence read's cost (default 0.03)")
+    ap.add_argument("--draft-scale", type=float, default=1.0, help="the draft step's cost times F (default 1)")
+    ap.add_argument("--row-scale", type=float, default=1.0,
+                    help="each verify row past a window's first costs F times as much (default 1)")
     ap.add_argument("--json", help="write the rows here as JSON")
     args = ap.parse_args(argv)
     if not args.alpha and not args.trace:
@@ -229,7 +243,9 @@ def main(argv=None) -> int:
     stops = args.stop.split(",")
     if not set(stops) <= {"depth", "confidence"}:
         ap.error("--stop takes depth and/or confidence")
-    costs = costs_from(args.costs)
+    if not (args.draft_scale > 0 and args.row_scale >= 0):
+        ap.error("--draft-scale must be > 0 and --row-scale >= 0")
+    costs = scaled(costs_from(args.costs), args.draft_scale, args.row_scale)
     table = []
     for label, accs in rows_for(args):
         for stop in stops:
@@ -242,6 +258,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"costs_s": vars(costs), "n": args.n, "overhead_ms": args.overhead_ms,
                                                "rows": table}, indent=1))
     print(f"step {costs.step * 1e3:.3f} ms, draft {costs.draft * 1e3:.3f} ms, n {args.n}, "
+          f"window rows past the first {(costs.verify[2] - costs.verify[1]) * 1e3:.3f} ms, "
           f"overhead {args.overhead_ms:g} ms per drafting round, a confidence read {args.sync_ms:g} ms")
     print("| row | vs fast-serial: median (mean, min-max) | ms/token | accepted per round | drafting rounds | plain steps | probes |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -57,6 +57,8 @@ def test_a_trace_is_walked_as_the_instrument_replays_it(sim, tmp_path):
                                       "verify": {str(w): v for w, v in COSTS.verify.items()}}}}}))
     assert sim.costs_from(f"{costs_file}:b").verify == COSTS.verify
     assert sim.costs_from(str(costs_file)).step == 1.0  # the first config with costs
+    cheaper = sim.scaled(COSTS, draft=0.5, rows=0.25)
+    assert cheaper.draft == 0.025 and cheaper.verify[1] == 1.0 and cheaper.verify[5] == pytest.approx(1.1)
 
 
 def test_cli_prints_one_table_row_per_setting_and_refuses_bad_input(sim, tmp_path, capsys):
