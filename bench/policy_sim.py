@@ -1,7 +1,7 @@
 """What `spec`'s depth policy earns on an acceptance pattern, priced by measured costs, no GPU needed.
 
     python bench/policy_sim.py --costs FILE[:CONFIG] (--alpha A [--alpha B ...] | --trace FILE [--trace ...])
-                               [--stop depth,confidence] [-n TOKENS] [--prompts K] [--max-depth D]
+                               [--stop depth,confidence,oracle] [--depth D] [-n TOKENS] [--prompts K] [--max-depth D]
                                [--overhead-ms MS] [--sync-ms MS] [--draft-scale F] [--row-scale F]
                                [--json OUT]
 
@@ -14,7 +14,9 @@ right where the traced head's was, as ``spec-instrument trace=FILE``). Each row 
 ``--stop`` setting, as `spec`'s ``stop`` argument: ``depth`` (the policy's depth per round) or
 ``confidence`` (drafts chained while ``DepthPolicy.draft_more`` says so, on the trace's recorded
 confidences; under an instrument's alpha every draft has the same confidence, as a random head's
-are alike, and each draft's read costs ``--sync-ms``). Time is the start-up costs
+are alike, and each draft's read costs ``--sync-ms``), or ``oracle``, a bound: every round knows
+how many drafts will be accepted and drafts exactly those, or takes a plain step where that pays
+better. Time is the start-up costs
 a `spec` run recorded (``costs_s``: a plain step, a chained draft step, each verify window, the
 head's prompt rows), plus ``--overhead-ms`` per drafting round for what those op timings leave
 out (the round's sync and host work, its rollback). The policy sees the simulated round times,
@@ -138,14 +140,36 @@ class Settings:
     stop: str = "depth"
     sync: float = 3e-5  # seconds each confidence read adds (stop=confidence)
     explore_every: int = 64
+    depth: int | None = None  # a fixed depth, as spec's ``depth`` argument (stop=depth only)
+
+
+def oracle(acceptance, costs: Costs, n: int, settings: Settings = Settings()) -> Outcome:
+    """A bound, not a decoder: each round knows how many drafts will be accepted and takes the
+    round (a plain step, or exactly that many drafts) with the most tokens per second."""
+    out = Outcome(tokens=1, seconds=0.0, drafting_rounds=0, plain_steps=0, probes=0, accepted=0)
+    while out.tokens < n:
+        right = acceptance.accepted(out.tokens - 1, min(settings.max_depth, n - out.tokens))
+        if right and (right + 1) / costs.round_time(right) > 1 / costs.step:
+            out.seconds += costs.round_time(right)
+            out.drafting_rounds += 1
+            out.accepted += right
+            out.tokens += min(right + 1, n - out.tokens)
+        else:
+            out.seconds += costs.step
+            out.plain_steps += 1
+            out.tokens += 1
+    return out
 
 
 def simulate(acceptance, costs: Costs, n: int, settings: Settings = Settings()) -> Outcome:
-    """One decode of ``n`` tokens, as ``SpecDecoder.decode`` runs it, on simulated time."""
+    """One decode of ``n`` tokens, as ``SpecDecoder.decode`` runs it, on simulated time
+    (``stop="oracle"``: ``oracle``'s bound)."""
+    if settings.stop == "oracle":
+        return oracle(acceptance, costs, n, settings)
     max_depth, confident = settings.max_depth, settings.stop == "confidence"
     sizes = catch_up_sizes(max_depth + 1, 1 << 30)
     blocks = max(1, -(-(settings.prompt_len - 1) // PREFILL_ROWS))
-    policy = DepthPolicy(costs, max_depth, explore_every=settings.explore_every,
+    policy = DepthPolicy(costs, max_depth, explore_every=settings.explore_every, fixed=settings.depth,
                          first_draft=blocks * costs.head_prefill,
                          catch_up_calls=lambda rows: len(split_rows(rows, sizes)),
                          calibration=Calibration() if confident else None)
@@ -229,9 +253,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=256, help="new tokens per decode (default 256)")
     ap.add_argument("--prompts", type=int, default=10, help="decodes per row: seeds, or a trace's first rows (default 10)")
     ap.add_argument("--max-depth", type=int, default=6)
+    ap.add_argument("--depth", type=int, default=None, help="a fixed depth (as spec's depth=), with --stop depth")
     ap.add_argument("--prompt-len", type=int, default=512, help="prices the head's prompt rows (default 512)")
     ap.add_argument("--overhead-ms", type=float, default=0.0, help="added to every drafting round (default 0)")
-    ap.add_argument("--stop", default="depth", help="comma-separated: depth, confidence (default depth)")
+    ap.add_argument("--stop", default="depth",
+                    help="comma-separated: depth, confidence, oracle (each round knowing its acceptance: a bound)")
     ap.add_argument("--sync-ms", type=float, default=0.03, help="a confidence read's cost (default 0.03)")
     ap.add_argument("--draft-scale", type=float, default=1.0, help="the draft step's cost times F (default 1)")
     ap.add_argument("--row-scale", type=float, default=1.0,
@@ -241,8 +267,10 @@ def main(argv=None) -> int:
     if not args.alpha and not args.trace:
         ap.error("give --alpha or --trace")
     stops = args.stop.split(",")
-    if not set(stops) <= {"depth", "confidence"}:
-        ap.error("--stop takes depth and/or confidence")
+    if not set(stops) <= {"depth", "confidence", "oracle"}:
+        ap.error("--stop takes depth, confidence and/or oracle")
+    if args.depth is not None and (not 1 <= args.depth <= args.max_depth or stops != ["depth"]):
+        ap.error("--depth must be within 1..--max-depth, with --stop depth")
     if not (args.draft_scale > 0 and args.row_scale >= 0):
         ap.error("--draft-scale must be > 0 and --row-scale >= 0")
     costs = scaled(costs_from(args.costs), args.draft_scale, args.row_scale)
@@ -250,7 +278,7 @@ def main(argv=None) -> int:
     for label, accs in rows_for(args):
         for stop in stops:
             settings = Settings(max_depth=args.max_depth, prompt_len=args.prompt_len, overhead=args.overhead_ms / 1e3,
-                                stop=stop, sync=args.sync_ms / 1e3)
+                                stop=stop, sync=args.sync_ms / 1e3, depth=args.depth)
             # each setting meets the same draws: an instrument's generator starts afresh
             fresh = copy.deepcopy(accs)
             table.append(row(f"{label}, stop {stop}", [simulate(a, costs, args.n, settings) for a in fresh], costs))

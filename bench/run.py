@@ -63,8 +63,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   retime-null bench/retime_null.py (CPU, simulation): how often a retime would score a candidate
               exactly as fast as the control, under the retime's rule and the median/bootstrap rule
   policy      bench/policy_sim.py (CPU, simulation): spec's depth policy, round by round, on the
-              instrument's alpha 0.6 / 0.7 / 0.85 and small's two traces, with stop=depth and
-              stop=confidence, priced by the costs a 9B run recorded on the H200
+              instrument's alpha 0.6 / 0.7 / 0.85 and small's two traces, with stop=depth,
+              stop=confidence and the oracle's bound (each round knowing its acceptance), priced by
+              the costs a 9B run recorded on the H200
   tests-cuda  pytest -q -m cuda
   suite       pytest -q
 
@@ -295,7 +296,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "policy":
         return [Step("policy", (PY, "bench/policy_sim.py", "--costs", POLICY_COSTS, "--alpha", "0.6", "--alpha", "0.7",
                                 "--alpha", "0.85", *(a for t in TRACES_9B for a in ("--trace", t)),
-                                "--stop", "depth,confidence", "--prompts", "10", "--json", str(out / "policy.json")))]
+                                "--stop", "depth,confidence,oracle", "--prompts", "10", "--json", str(out / "policy.json")))]
     if name == "retime-null":
         return [Step("retime-null", (PY, "bench/retime_null.py", "--trials", "1000"))]
     if name == "tests-cuda":

@@ -32,6 +32,14 @@ def test_every_draft_right_settles_at_the_deepest_round(sim):
     assert out.accepted / out.drafting_rounds > 5
 
 
+def test_the_oracle_drafts_exactly_what_will_be_accepted(sim):
+    """The bound: every round drafts its accepted run exactly (never a rejected draft), or steps."""
+    out = sim.simulate(sim.Alpha(0.7, seed=1), COSTS, 300, sim.Settings(stop="oracle"))
+    real = sim.simulate(sim.Alpha(0.7, seed=1), COSTS, 300, sim.Settings())
+    assert out.tokens == 300 and out.accepted + out.drafting_rounds + out.plain_steps >= 299
+    assert out.ms_per_token() < real.ms_per_token()
+
+
 def test_nothing_right_settles_at_plain_steps(sim):
     for stop in ("depth", "confidence"):
         out = sim.simulate(sim.Alpha(0.0, seed=0), COSTS, 400, sim.Settings(stop=stop))
