@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from core.prompts import random_prompts  # noqa: E402
 from decoders.drafter import PREFILL_ROWS, catch_up_sizes, split_rows  # noqa: E402
 from decoders.policy import Calibration, Costs, DepthPolicy  # noqa: E402
 from decoders.spec import PLAIN_RUN  # noqa: E402
@@ -228,7 +229,10 @@ def rows_for(args) -> list[tuple[str, list]]:
         out.append((f"alpha {alpha:g}", [Alpha(alpha, seed) for seed in range(args.prompts)]))
     for path in args.trace or []:
         trace = load_trace(path)
-        rows = trace.rows[:args.prompts] if args.prompts else trace.rows
+        if args.random_vocab:  # the rows the instrument replays for random-512's first prompts
+            rows = [trace.row_for(p["token_ids"]) for p in random_prompts(args.random_vocab, args.prompts)]
+        else:
+            rows = trace.rows[:args.prompts] if args.prompts else trace.rows
         out.append((f"trace {Path(path).name}", [TraceAcceptance(r) for r in rows]))
     return out
 
@@ -252,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="append", help="an acceptance trace (repeatable)")
     ap.add_argument("-n", type=int, default=256, help="new tokens per decode (default 256)")
     ap.add_argument("--prompts", type=int, default=10, help="decodes per row: seeds, or a trace's first rows (default 10)")
+    ap.add_argument("--random-vocab", type=int, default=None, metavar="V",
+                    help="a trace's rows for the first --prompts of random-512 at vocabulary V, as the "
+                         "instrument picks them (synthetic-9b: 248320); default: its first rows")
     ap.add_argument("--max-depth", type=int, default=6)
     ap.add_argument("--depth", type=int, default=None, help="a fixed depth (as spec's depth=), with --stop depth")
     ap.add_argument("--prompt-len", type=int, default=512, help="prices the head's prompt rows (default 512)")
