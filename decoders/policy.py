@@ -206,6 +206,9 @@ class DepthPolicy:
     # the best drafting depth's (tokens per second, -depth): depth 0's time does not enter it
     _drafting: tuple[float, int] | None = field(default=None, repr=False, compare=False)
     _probe_at: int | None = field(default=None, repr=False, compare=False)  # this run's priced length
+    # draft_more's prices (per k: rate x (T(k+1) - T(k)), and the acceptances), made once per round:
+    # its host time between two drafts is time the device waits
+    _prices: tuple[list[float], list[float]] | None = field(default=None, repr=False, compare=False)
     probe_extra: float | None = None  # seconds a probe measurably adds to its plain step (None: none timed)
     probes_timed: int = 0
     calibration: Calibration | None = None  # set: confidence stopping (``draft_more``); None: depth by ``choose``
@@ -282,11 +285,14 @@ class DepthPolicy:
         k = len(confidences)
         if self.calibration is None or k >= self.max_depth:
             return False
+        if self._prices is None:
+            times, rate = self.round_times(), self.rate()
+            self._prices = [rate * (times[d + 1] - times[d]) for d in range(self.max_depth)], self.accept
+        price, accept = self._prices
         cum = 1.0
         for c in confidences:
             cum *= self.calibration.accept(c)
-        times = self.round_times()
-        return cum * self.accept[k] >= self.rate() * (times[k + 1] - times[k])
+        return cum * accept[k] >= price[k]
 
     def probe_wait(self, rows: int = 1) -> int:
         """Plain rounds before a probe with ``rows`` head rows to catch up may come, by its price:
@@ -351,7 +357,7 @@ class DepthPolicy:
             if len(confidences) != depth:
                 raise ValueError(f"update: {len(confidences)} confidences for depth {depth}")
             self.calibration.update(confidences, accepted)
-        self._best = self._drafting = self._probe_at = None
+        self._best = self._drafting = self._probe_at = self._prices = None
         self.drafted = True
         if accepted:  # evidence that the head predicts: the probe runs start short again
             self.explore_gap = 0
@@ -366,7 +372,7 @@ class DepthPolicy:
         point), each counted at their mean."""
         if self.online and self.fixed is None:
             self.times.observe(depth, seconds / rounds, rounds)
-            self._best = None
+            self._best = self._prices = None
             if depth > 0:
                 self._drafting = None
 

@@ -403,3 +403,18 @@ def test_draft_more_weighs_the_next_drafts_tokens_against_its_price():
         p.update(2, 1, [0.9])
     p.update(2, 1, [0.95, 0.95])
     assert p.calibration.trials[9] > 0 and "calibration" in p.state()
+
+
+def test_draft_more_prices_once_per_round_and_again_after_each_round():
+    """The prices are made at a round's first draft_more and kept through it; a round's update or
+    observe makes them again (online times move T(k))."""
+    costs = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+    p = DepthPolicy(costs, max_depth=4, calibration=Calibration())
+    assert p.draft_more([0.95])
+    for _ in range(6):  # depth-2 rounds measured at ten times their price: a second draft now costs far more
+        p.observe(2, 10 * p.round_times()[2])
+    assert not p.draft_more([0.95])
+    p.update(1, 1, [0.95])  # a kept draft: acceptance and the calibration rise
+    times = p.round_times()
+    want = p.calibration.accept(0.95) * p.accept[1] >= p.rate() * (times[2] - times[1])
+    assert p.draft_more([0.95]) == want
