@@ -50,7 +50,7 @@ from core.prompts import random_prompts  # noqa: E402
 from decoders.drafter import PREFILL_ROWS, catch_up_sizes, split_rows  # noqa: E402
 from decoders.policy import Calibration, Costs, DepthPolicy  # noqa: E402
 from decoders.spec import PLAIN_RUN  # noqa: E402
-from decoders.trace import Trace, leading_ones  # noqa: E402
+from decoders.trace import Trace  # noqa: E402
 from decoders.trace import load as load_trace  # noqa: E402
 
 
@@ -125,8 +125,6 @@ class TraceAcceptance:
         return Trace.confidence(self.row, t, k)
 
     def accepted(self, t: int, depth: int) -> int:
-        if t < len(self.row.bits) and len(self.row.bits[t]) >= depth:
-            return leading_ones(self.row.bits[t], depth)
         j = 0
         while j < depth and Trace.accepts(self.row, t, j + 1):
             j += 1

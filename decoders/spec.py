@@ -550,22 +550,22 @@ class SpecDecoder:
             return self.propose(dr.draft(*pending.take(), depth), emitted), None
         seen: list[float] = []
 
-        def more(confidences: list[float]) -> bool:
-            seen[:] = self.confidences(confidences, emitted)
+        def more(confidences: list[float]) -> bool:  # one call per draft: only the newest is new
+            seen.append(self.confidence(confidences[-1], emitted, len(confidences)))
             return len(seen) < depth and policy.draft_more(seen)
 
         drafts, _ = dr.draft_until(*pending.take(), more)
         return self.propose(drafts, emitted), seen
 
-    def confidences(self, confidences: list[float], emitted: int) -> list[float]:
-        """The confidences the policy sees for a round's drafts (the instrument overrides this)."""
-        return confidences
+    def confidence(self, confidence: float, emitted: int, k: int) -> float:
+        """The confidence the policy sees for a round's k-th draft (the instrument overrides this)."""
+        return confidence
 
     def probe_confidence(self, policy: DepthPolicy, emitted: int) -> list[float] | None:
         """With confidence stopping, the probe's draft's confidence (read after its step)."""
         if policy.calibration is None:
             return None
-        return self.confidences([float(self.drafter.in_conf)], emitted)
+        return [self.confidence(float(self.drafter.in_conf), emitted, 1)]
 
     def _spec_round(self, pending: Pending, policy: DepthPolicy, depth: int, emitted: int,
                     timer: PhaseTimer) -> tuple[list[int], int, list[float] | None]:
@@ -736,13 +736,13 @@ class InstrumentedSpecDecoder(SpecDecoder):
             return Trace.accepts(self._row, emitted - 1, k)
         return float(torch.rand((), generator=self._rng)) < self.alpha
 
-    def confidences(self, confidences: list[float], emitted: int) -> list[float]:
-        """With a trace that recorded them, the traced head's confidences in the round's drafts
+    def confidence(self, confidence: float, emitted: int, k: int) -> float:
+        """With a trace that recorded them, the traced head's confidence in the round's k-th draft
         (``Trace.confidence``), so ``stop=confidence`` decides as with that head; else the head's
         own."""
         if self._row is None or self._row.conf is None:
-            return confidences
-        return [Trace.confidence(self._row, emitted - 1, k) for k in range(1, len(confidences) + 1)]
+            return confidence
+        return Trace.confidence(self._row, emitted - 1, k)
 
     def propose(self, drafts: list[torch.Tensor], emitted: int) -> list[torch.Tensor]:
         """The head's drafts were computed (every cost stays real); replace each by the control's

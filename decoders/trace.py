@@ -98,23 +98,25 @@ class Trace:
         """Whether depth k's draft from position t is accepted. Past the row (a longer run, or a
         depth it cannot have near its end) positions cycle through the row's complete ones (those
         with a bit for every depth); a row without any accepts nothing there."""
-        if t < len(row.bits) and k <= len(row.bits[t]):
-            return row.bits[t][k - 1] == "1"
-        full = sum(1 for b in row.bits if len(b) >= k)
-        return full > 0 and row.bits[t % full][k - 1] == "1"
+        bits = cycled(row.bits, t, k)
+        return bits is not None and bits[k - 1] == "1"
 
     @staticmethod
     def confidence(row: TraceRow, t: int, k: int) -> float:
         """Depth k's draft's confidence from position t, as its tenth's midpoint; past the row the
         positions cycle as in ``accepts``. A row without confidences (or none at depth k): 0.5."""
-        if row.conf is None:
-            return 0.5
-        if not (t < len(row.conf) and k <= len(row.conf[t])):
-            full = sum(1 for c in row.conf if len(c) >= k)
-            if not full:
-                return 0.5
-            t %= full
-        return (int(row.conf[t][k - 1]) + 0.5) / CONFIDENCE_BINS
+        digits = cycled(row.conf, t, k) if row.conf is not None else None
+        return 0.5 if digits is None else (int(digits[k - 1]) + 0.5) / CONFIDENCE_BINS
+
+
+def cycled(strings: list[str], t: int, k: int) -> str | None:
+    """Position t's string when it reaches depth k; past that, position t modulo the count of
+    strings that do (the complete ones lead a row: only its last positions are shorter); None when
+    none does."""
+    if t < len(strings) and k <= len(strings[t]):
+        return strings[t]
+    full = sum(1 for x in strings if len(x) >= k)
+    return strings[t % full] if full else None
 
 
 def leading_ones(bits: str, depth: int) -> int:
@@ -152,7 +154,7 @@ def by_confidence(rows: list[list[str]], conf: list[list[str]]) -> list[dict]:
     seen, hit = [0] * CONFIDENCE_BINS, [0] * CONFIDENCE_BINS
     for bits_row, conf_row in zip(rows, conf):
         for bits, digits in zip(bits_row, conf_row):
-            for k, (b, d) in enumerate(zip(bits, digits)):
+            for b, d in zip(bits, digits):
                 seen[int(d)] += 1
                 hit[int(d)] += b == "1"
                 if b == "0":
