@@ -19,6 +19,7 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               random head (3 legs), and small's real acceptance traces (bench/traces: held-out, dev)
               replayed at the 9B shape, each with stop=depth and stop=confidence (+conf), and alpha
               0.6 with stop=confidence; 4 prompts; then one audit of every stream with 4 workers
+              (fewer where the GPU's memory holds fewer 9B replays: 3 on an 80 GB H100)
   small-real  bench/spec_bench.py on the built-in `small` (trained weights, its own MTP head) on the
               GPU: fast-serial and spec against the control, and spec side by side against fast-serial
   context     bench/context_bench.py on synthetic-9b: decode ms/token and peak memory against context
@@ -55,7 +56,8 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   replay-throughput
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               7 prompts x 96 tokens) at --workers 1, 2, 4 and 7 on the one GPU (7: one prompt each,
-              and the most 9B workers an H200's memory holds): tokens/s per setting,
+              and the most 9B workers an H200's memory holds; a smaller GPU stops at its own most,
+              3 on an 80 GB H100): tokens/s per setting,
               and whether the audit.json documents agree (bench/replay_table.py)
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
@@ -185,12 +187,34 @@ def retime_steps(out: Path, configs: list[str]) -> list[Step]:
 
 
 # replay throughput: one stream, audited at each worker count; 7 prompts, one for each of the 7
-# workers that fit beside each other on an H200 at the 9B shape (18.3 GiB each)
 REPLAY_WORKERS = (1, 2, 4, 7)
 REPLAY_PROMPTS = 7
+# GPU memory one 9B replay worker takes: 18.3 GiB held (session 20), plus its context and the
+# load's transient peaks, which put a fourth worker out of memory on an 80 GB H100 (session 24)
+REPLAY_WORKER_GIB = 20.0
 
 
-def replay_throughput_steps(out: Path) -> list[Step]:
+def gpu_memory_gib() -> float | None:
+    """The first GPU's memory as nvidia-smi reports it; None without one."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    try:
+        return float(smi.stdout.split()[0]) / 1024
+    except (IndexError, ValueError):
+        return None
+
+
+def replay_workers(most: int, memory_gib: float | None) -> int:
+    """At most ``most`` 9B replay workers, and no more than the GPU's memory holds (at least one)."""
+    if memory_gib is None:
+        return most
+    return max(1, min(most, int(memory_gib // REPLAY_WORKER_GIB)))
+
+
+def replay_throughput_steps(out: Path, memory_gib: float | None) -> list[Step]:
+    fit = replay_workers(max(REPLAY_WORKERS), memory_gib)
     stream = out / "stream" / "stream.jsonl"
     steps = [Step("time", (PY, "-m", "harness", "time", "--decoder", "fast-serial", "--model", "synthetic-9b",
                            "--prompts", "random-512", "--limit", str(REPLAY_PROMPTS), "-n", "96", "--legs", "1",
@@ -198,7 +222,7 @@ def replay_throughput_steps(out: Path) -> list[Step]:
     # exit 1 = findings (a timing warning turned failure on a noisy host): the table still compares
     steps += [Step(f"audit-w{n}", (PY, "-m", "audit", "replay", str(stream), "--workers", str(n),
                                    "--out", str(out / f"audit-w{n}.json")), ok=(0, 1))
-              for n in REPLAY_WORKERS]
+              for n in sorted({n for n in REPLAY_WORKERS if n <= fit} | {fit})]
     steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py "{out}"/audit-w*.json')))
     return steps
 
@@ -263,7 +287,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "targets":
         return spec_bench_steps(str(out / "targets"), configs or list(TARGET_CONFIGS),
                                 ["--model", "synthetic-9b", "--prompts", "random-512", "--limit", "4", "-n", "256",
-                                 "--shortlist", SHORTLIST_9B], new_tokens=TARGET_NEW, workers=4)
+                                 "--shortlist", SHORTLIST_9B], new_tokens=TARGET_NEW,
+                                workers=replay_workers(4, gpu_memory_gib()))
     if name == "small-real":
         return spec_bench_steps(str(out / "small-real"), configs or list(SMALL_CONFIGS),
                                 ["--model", "small", "--prompts", "stdlib-heldout", "--limit", "10", "-n", "256"])
@@ -285,7 +310,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "retime-9b":
         return retime_steps(out / "retime", configs or list(RETIME_9B))
     if name == "replay-throughput":
-        return replay_throughput_steps(out / "replay")
+        return replay_throughput_steps(out / "replay", gpu_memory_gib())
     if name == "quiet":
         return quiet_steps(out / "quiet")
     if name == "cpu-verify":

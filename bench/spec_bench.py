@@ -56,15 +56,17 @@ CONF = "+conf"  # spec's stop=confidence
 
 
 def resolve(name: str) -> dict | None:
-    """A configuration name as harness arguments: {"args", "model", "prompts", "shortlisted"};
-    model and prompts are None where --model / --prompts apply. None for an unknown name."""
+    """A configuration name as harness arguments: {"args", "model", "prompts", "shortlisted",
+    "trace"}; model and prompts are None where --model / --prompts apply, trace where the
+    configuration replays none. None for an unknown name."""
     base, fs = (name[:-3], True) if name.endswith("@fs") else (name, False)
     base, conf = (base[:-len(CONF)], True) if base.endswith(CONF) else (base, False)
-    model = prompts = None
+    model = prompts = trace = None
     if base.startswith(SMALL):
         base, model, prompts = base[len(SMALL):], "small", SMALL_PROMPTS
     if base.startswith(TRACE) and len(base) > len(TRACE):
-        args = ["--decoder", "spec-instrument", "--decoder-arg", f"trace={base[len(TRACE):]}"]
+        trace = base[len(TRACE):]
+        args = ["--decoder", "spec-instrument", "--decoder-arg", f"trace={trace}"]
     elif base in BASE:
         args = list(BASE[base])
     else:
@@ -77,7 +79,7 @@ def resolve(name: str) -> dict | None:
         args += ["--control", "fast-serial"]
     # a shortlist given on the command line belongs to --model: small's drafts keep their own
     shortlisted = model is None and (base in SHORTLISTED or base.startswith(TRACE))
-    return {"args": args, "model": model, "prompts": prompts, "shortlisted": shortlisted}
+    return {"args": args, "model": model, "prompts": prompts, "shortlisted": shortlisted, "trace": trace}
 
 
 def run_dir(out: Path, name: str) -> Path:
@@ -219,8 +221,7 @@ def main() -> int:
         print(f"error: unknown configs {unknown}; known: {', '.join(BASE)}, {TRACE}FILE, {SMALL}NAME, "
               "each also as NAME@fs", file=sys.stderr)
         return 2
-    missing = [c for c in names if c.removeprefix(SMALL).startswith(TRACE)
-               and not Path(c.removeprefix(SMALL).removesuffix("@fs")[len(TRACE):]).is_file()]
+    missing = [c for c in names if resolve(c)["trace"] and not Path(resolve(c)["trace"]).is_file()]
     if missing and not args.table_only:
         print(f"error: no trace file for {missing}", file=sys.stderr)
         return 2
