@@ -3,7 +3,7 @@
     python bench/policy_sim.py --costs FILE[:CONFIG] (--alpha A [--alpha B ...] | --trace FILE [--trace ...])
                                [--stop depth,confidence,oracle] [--depth D] [-n TOKENS] [--prompts K] [--max-depth D]
                                [--overhead-ms MS] [--sync-ms MS] [--draft-scale F] [--row-scale F]
-                               [--json OUT]
+                               [--no-carry] [--json OUT]
 
 It walks the decode loop of ``decoders/spec.py`` round by round with the real ``DepthPolicy``:
 plain runs, priced probes, drafting rounds whose catch-up covers the rows since the last draft,
@@ -21,6 +21,9 @@ a `spec` run recorded (``costs_s``: a plain step, a chained draft step, each ver
 head's prompt rows), plus ``--overhead-ms`` per drafting round for what those op timings leave
 out (the round's sync and host work, its rollback). The policy sees the simulated round times,
 as it sees measured ones in a decode.
+
+A row's decodes run in order, as one decoder's: each starts from the depth-1 acceptance the last
+one that drafted ended with, as `spec` carries it (``--no-carry``: each from the built-in prior).
 
 The ratio printed is decode time only, `fast-serial` at one step per token against the
 simulated rounds: the quantity the context bench's ``decode_ms_per_token`` compares (the harness's
@@ -62,6 +65,7 @@ class Outcome:
     plain_steps: int
     probes: int
     accepted: int
+    learnt: float | None = None  # the policy's depth-1 acceptance at the end, where it drafted
 
     def ms_per_token(self) -> float:
         return 1e3 * self.seconds / max(1, self.tokens - 1)
@@ -140,6 +144,7 @@ class Settings:
     sync: float = 3e-5  # seconds each confidence read adds (stop=confidence)
     explore_every: int = 64
     depth: int | None = None  # a fixed depth, as spec's ``depth`` argument (stop=depth only)
+    carry: bool = True  # each decode's prior is the last drafting decode's acceptance, as spec's
 
 
 def oracle(acceptance, costs: Costs, n: int, settings: Settings = Settings()) -> Outcome:
@@ -160,15 +165,27 @@ def oracle(acceptance, costs: Costs, n: int, settings: Settings = Settings()) ->
     return out
 
 
-def simulate(acceptance, costs: Costs, n: int, settings: Settings = Settings()) -> Outcome:
-    """One decode of ``n`` tokens, as ``SpecDecoder.decode`` runs it, on simulated time
-    (``stop="oracle"``: ``oracle``'s bound)."""
+def decodes(accs: list, costs: Costs, n: int, settings: Settings = Settings()) -> list[Outcome]:
+    """One decode per acceptance, in order, by one decoder: with ``settings.carry`` each starts
+    from the depth-1 acceptance the last decode that drafted ended with, as `spec` does."""
+    outs, prior = [], DepthPolicy.prior
+    for acceptance in accs:
+        outs.append(simulate(acceptance, costs, n, settings, prior))
+        if settings.carry and outs[-1].learnt is not None:
+            prior = outs[-1].learnt
+    return outs
+
+
+def simulate(acceptance, costs: Costs, n: int, settings: Settings = Settings(),
+             prior: float = DepthPolicy.prior) -> Outcome:
+    """One decode of ``n`` tokens, as ``SpecDecoder.decode`` runs it, on simulated time, from
+    acceptance ``prior`` (``stop="oracle"``: ``oracle``'s bound)."""
     if settings.stop == "oracle":
         return oracle(acceptance, costs, n, settings)
     max_depth, confident = settings.max_depth, settings.stop == "confidence"
     sizes = catch_up_sizes(max_depth + 1, 1 << 30)
     blocks = max(1, -(-(settings.prompt_len - 1) // PREFILL_ROWS))
-    policy = DepthPolicy(costs, max_depth, explore_every=settings.explore_every, fixed=settings.depth,
+    policy = DepthPolicy(costs, max_depth, prior=prior, explore_every=settings.explore_every, fixed=settings.depth,
                          first_draft=blocks * costs.head_prefill,
                          catch_up_calls=lambda rows: len(split_rows(rows, sizes)),
                          calibration=Calibration() if confident else None)
@@ -217,6 +234,8 @@ def simulate(acceptance, costs: Costs, n: int, settings: Settings = Settings()) 
             new, pending, drafting = j + 1, j + 1, True
         out.seconds += seconds
         out.tokens += min(new, n - out.tokens)
+    if policy.drafted and policy.fixed is None:
+        out.learnt = policy.accept[0]
     return out
 
 
@@ -267,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-scale", type=float, default=1.0, help="the draft step's cost times F (default 1)")
     ap.add_argument("--row-scale", type=float, default=1.0,
                     help="each verify row past a window's first costs F times as much (default 1)")
+    ap.add_argument("--no-carry", action="store_true",
+                    help="every decode starts from the policy's built-in prior, not the last decode's acceptance")
     ap.add_argument("--json", help="write the rows here as JSON")
     args = ap.parse_args(argv)
     if not args.alpha and not args.trace:
@@ -283,10 +304,10 @@ def main(argv=None) -> int:
     for label, accs in rows_for(args):
         for stop in stops:
             settings = Settings(max_depth=args.max_depth, prompt_len=args.prompt_len, overhead=args.overhead_ms / 1e3,
-                                stop=stop, sync=args.sync_ms / 1e3, depth=args.depth)
+                                stop=stop, sync=args.sync_ms / 1e3, depth=args.depth, carry=not args.no_carry)
             # each setting meets the same draws: an instrument's generator starts afresh
             fresh = copy.deepcopy(accs)
-            table.append(row(f"{label}, stop {stop}", [simulate(a, costs, args.n, settings) for a in fresh], costs))
+            table.append(row(f"{label}, stop {stop}", decodes(fresh, costs, args.n, settings), costs))
     if args.json:
         Path(args.json).write_text(json.dumps({"costs_s": vars(costs), "n": args.n, "overhead_ms": args.overhead_ms,
                                                "rows": table}, indent=1))

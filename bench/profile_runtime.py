@@ -2,11 +2,13 @@
 
     python bench/profile_runtime.py [--model synthetic-9b] [--prompt-len 512] [--calls 20] [--lanes 1,auto] [--json FILE]
 
-For each op it reports wall ms per call (host clock around synchronised calls), the GPU's busy
-time per call (the union of kernel intervals: the critical path as run), the sum of GPU kernel
-time, the kernel count, the share of each kernel class (GEMM, reduction, elementwise, copy/cat,
-attention, other), and the top kernels. The step and the windows are profiled once per runtime
-named in --lanes (one stream, and the runtime's default lanes), so the two sit side by side.
+For each op it reports wall ms per call (host clock around synchronised calls), the host's ms to
+issue one call (the loop's time before its closing sync: near the wall, the op is host bound or
+waits for the device inside), the GPU's busy time per call (the union of kernel intervals: the
+critical path as run), the sum of GPU kernel time, the kernel count, the share of each kernel
+class (GEMM, reduction, elementwise, copy/cat, attention, other), and the top kernels. The step and
+the windows are profiled once per runtime named in --lanes (one stream, and the runtime's default
+lanes), so the two sit side by side.
 Kernel sum above busy time is concurrency; wall above busy time is the GPU idling (launch or
 host bound). Diagnostic only: speed claims come from the side-by-side benchmarks.
 """
@@ -53,6 +55,7 @@ def profile_op(fn, calls: int):
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    issued = (time.perf_counter() - t0) / calls
     sync()
     wall = (time.perf_counter() - t0) / calls
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -68,7 +71,7 @@ def profile_op(fn, calls: int):
             k[1] += e.device_time
             spans.append((e.time_range.start, e.time_range.end))
     per_call = {n: (c / calls, us / calls) for n, (c, us) in kernels.items()}
-    return {"wall_ms": wall * 1e3,
+    return {"wall_ms": wall * 1e3, "host_ms": issued * 1e3,
             "kernel_ms": sum(us for _, us in per_call.values()) / 1e3,
             "kernels": sum(c for c, _ in per_call.values()),
             "busy_ms": busy_time(spans) / calls / 1e3,
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
     for name, fn in ops.items():
         results[name] = profile_op(fn, args.calls if "prefill" not in name and "HF" not in name else 3)
         r = results[name]
-        print(f"\n== {name}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels, "
+        print(f"\n== {name}: wall {r['wall_ms']:.3f} ms (host {r['host_ms']:.3f}), "
+              f"kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels, "
               f"busy {r['busy_ms']:.3f} ms")
         for cls, v in sorted(r["classes"].items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {cls:12s} {v['count']:7.1f} kernels {v['us'] / 1e3:8.3f} ms")
@@ -182,13 +186,13 @@ def main(argv=None) -> int:
             print(f"   {us:9.1f} us {c:6.1f}x  {n}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print("\n| op | wall ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | "
+    print("\n| op | wall ms | host ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | "
           "attention ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         c = r["classes"]
         get = lambda k: c.get(k, {"us": 0.0})["us"] / 1e3  # noqa: E731
-        print(f"| {name} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | "
+        print(f"| {name} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {r['busy_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | "
               f"{get('gemm'):.3f} | "
               f"{get('reduction'):.3f} | {get('elementwise'):.3f} | {get('copy/cat'):.3f} | {get('attention'):.3f} |")
     return 0

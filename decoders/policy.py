@@ -392,7 +392,8 @@ class DepthPolicy:
         self._probe_at = None
 
     def state(self) -> dict:
-        return {"accept": [round(a, 4) for a in self.accept], "best_depth": self.best_depth(),
+        return {"prior": round(self.prior, 4), "accept": [round(a, 4) for a in self.accept],
+                "best_depth": self.best_depth(),
                 "round_ms": [round(t * 1e3, 4) for t in self.round_times()], "timed_rounds": list(self.times.rounds),
                 "probe_extra_ms": None if self.probe_extra is None else round(self.probe_extra * 1e3, 4),
                 **({"calibration": self.calibration.state()} if self.calibration is not None else {})}

@@ -41,6 +41,11 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
                  CUDA graphs (one call costs 1.4 lone picks on the H200 for a window of 5), true
                  where it runs eagerly (on the CPU one call is slower than row by row)
 
+A decode's policy starts from the head's depth-1 acceptance as the last decode under the same
+sampler setting left it (the built-in prior, 0.3, before any): a head that predicts nothing pays
+for its two opening windows once per decoder, not once per request (then only for priced probes),
+and a good head drafts deep from the first round.
+
 Round times are host wall time from one read of emitted tokens to the next (the syncs the loop
 makes anyway; no extra device sync). A drafting round right after plain steps is not timed: its
 catch-up covers every row since the last draft, a cost of resuming drafting, not of a round. A
@@ -198,6 +203,9 @@ class SpecDecoder:
         # auto (or none) is settled by the runtime prepare() builds: whether it replays CUDA graphs
         self.coupled, self.lazy_rows_arg = coupled, lazy_rows
         self.lazy_rows = lazy_rows if isinstance(lazy_rows, bool) else True
+        # per sampler setting, the head's depth-1 acceptance as the last decode that drafted left
+        # it: the next decode's prior (a property of the head, not of any request's tokens)
+        self.carried_accept: dict[tuple, float] = {}
         # sampler settings -> (pick, coupled draft, {w: a window's rows in one call}) seconds
         self._sampled_costs: dict[tuple, tuple[float, float, dict]] = {}
         self.model = self.runtime = self.drafter = self.costs = None
@@ -216,6 +224,7 @@ class SpecDecoder:
             self.lazy_rows = not self.runtime.use_graphs
         self.cost_reps = self.measure_costs()
         self.costs = Costs.from_reps(self.cost_reps)
+        self.carried_accept = {}
 
     @property
     def margin(self) -> int:
@@ -340,10 +349,13 @@ class SpecDecoder:
     def new_policy(self, prompt_len: int = 1, sampler: Sampler | None = None) -> DepthPolicy:
         """A decode's policy; its first draft also makes the head's rows for ``prompt_len`` tokens
         (``head_prefill`` was measured for one block of PREFILL_ROWS rows). Under a bound sampler
-        its start-up costs are ``sampled_costs``."""
+        its start-up costs are ``sampled_costs``. Its prior acceptance is what the last decode under
+        the same sampler setting that drafted learnt (``carried_accept``), else the policy's own."""
+        sampler = sampler or GREEDY
         blocks = max(1, -(-(prompt_len - 1) // PREFILL_ROWS))
-        costs = self.costs if sampler is None or sampler.greedy else self.sampled_costs(sampler)
-        return DepthPolicy(costs, self.max_depth, explore_every=self.explore_every, fixed=self.fixed,
+        costs = self.costs if sampler.greedy else self.sampled_costs(sampler)
+        prior = self.carried_accept.get(settings(sampler), DepthPolicy.prior)
+        return DepthPolicy(costs, self.max_depth, prior=prior, explore_every=self.explore_every, fixed=self.fixed,
                            online=self.online_costs, first_draft=blocks * costs.head_prefill,
                            catch_up_calls=lambda rows: len(self.drafter.catch_up_chunks(rows)),
                            calibration=Calibration() if self.stop == "confidence" else None)
@@ -480,6 +492,8 @@ class SpecDecoder:
                 last = time.perf_counter()  # the callback's time belongs to no round
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
+        if policy.drafted and policy.fixed is None:
+            self.carried_accept[settings(sampler)] = policy.accept[0]
         if not sampler.greedy:
             stats.extra["rows_picked"] = self.picks.picked  # window rows and steps the sampler picked
         return DecodeResult(tokens, stats)

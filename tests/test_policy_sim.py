@@ -84,3 +84,15 @@ def test_cli_prints_one_table_row_per_setting_and_refuses_bad_input(sim, tmp_pat
     for costs, needle in (("none.json", "no costs_s"), ("missing.json", "no such file")):
         with pytest.raises(SystemExit, match=needle):
             sim.main(["--costs", str(tmp_path / costs), "--alpha", "0.7"])
+
+
+def test_one_decoder_carries_the_head_acceptance_from_decode_to_decode(sim):
+    """As `spec`: a head that predicts nothing opens only the first decode with windows; with
+    carry off every decode starts from the built-in prior and pays them again."""
+    accs = [sim.Alpha(0.0, seed=s) for s in range(3)]
+    carried = sim.decodes(accs, COSTS, 200, sim.Settings())
+    fresh = sim.decodes([sim.Alpha(0.0, seed=s) for s in range(3)], COSTS, 200, sim.Settings(carry=False))
+    assert carried[0] == fresh[0] and carried[0].drafting_rounds > 0 and carried[0].learnt < 0.3
+    assert all(o.drafting_rounds == 0 for o in carried[1:])
+    assert all(o.drafting_rounds == fresh[0].drafting_rounds for o in fresh)
+    assert all(c.seconds <= f.seconds for c, f in zip(carried, fresh))

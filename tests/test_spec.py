@@ -12,8 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from core.sampling import Sampler
+from core.sampling import GREEDY, Sampler
 from decoders.policy import Costs
+from decoders.sampled import settings
 from decoders.serial import SerialDecoder
 from decoders.spec import InstrumentedSpecDecoder, SpecDecoder, accepted_prefix
 from fixtures.prompts import DEV_PROMPTS
@@ -226,6 +227,30 @@ def test_probes_draft_beside_plain_steps(tiny, serial, prompts, alpha):
     else:  # every probe hits, the runs between them shorten, and drafting takes over
         assert stats["probe_hits"] == stats["probes"] and stats["accepted"] > 0 and trace[-1] > 0
         assert split["verify"] > 0
+
+
+# costs at which a depth-1 round pays from 20% acceptance: a fresh policy (prior 0.3) opens with windows
+DRAFT_FIRST = Costs(step=1.0, draft=0.05, verify={w: 1 + 0.1 * (w - 1) for w in range(1, 8)})
+
+
+def test_a_decode_starts_from_the_head_acceptance_the_last_one_learnt(tiny, serial, prompts):
+    """The policy's prior is the depth-1 acceptance the last drafting decode under the same
+    sampler setting ended with: a head that predicts nothing opens the first decode with windows,
+    and later ones with plain steps; a sampler setting of its own starts from the built-in prior,
+    and so does a decoder prepared again. Tokens are the control's throughout."""
+    dec = InstrumentedSpecDecoder(alpha=0.0, max_depth=3, online_costs=False)
+    dec.prepare(tiny)
+    dec.costs = DRAFT_FIRST
+    first = assert_exact(dec, serial, prompts[:1], 24).stats.to_json()
+    assert first["policy"]["prior"] == 0.3 and first["depth_trace"][0] > 0  # opened with a window
+    learnt = dec.carried_accept[settings(GREEDY)]
+    assert learnt < 0.2 and first["policy"]["accept"][0] == round(learnt, 4)
+    second = assert_exact(dec, serial, prompts[1:2], 24).stats.to_json()
+    assert second["policy"]["prior"] == round(learnt, 4) and second["depth_trace"][0] == 0
+    sampled = dec.decode(prompts[0], 8, sampler=Sampler(temperature=0.6, seed=1)).stats.to_json()
+    assert sampled["policy"]["prior"] == 0.3
+    dec.prepare(tiny)
+    assert dec.carried_accept == {}
 
 
 def test_head_prompt_rows_wait_for_the_first_draft(tiny, serial, prompts):

@@ -1,0 +1,62 @@
+"""bench/run.py and bench/spec_bench.py: configuration names, and what a set asks of the GPU."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def spec_bench():
+    return load("spec_bench")
+
+
+@pytest.fixture(scope="module")
+def run():
+    return load("run")
+
+
+@pytest.mark.parametrize("name", ["inst-trace:bench/traces/small-dev.json@fs",
+                                  "inst-trace:bench/traces/small-dev.json+conf@fs"])
+def test_a_trace_configuration_names_its_trace_with_or_without_conf(spec_bench, name):
+    r = spec_bench.resolve(name)
+    assert r["trace"] == "bench/traces/small-dev.json" and r["shortlisted"]
+    assert "trace=bench/traces/small-dev.json" in r["args"] and r["args"][-2:] == ["--control", "fast-serial"]
+    assert ("stop=confidence" in r["args"]) == ("+conf" in name)
+
+
+def test_configurations_without_a_trace_and_unknown_ones(spec_bench):
+    assert spec_bench.resolve("inst-0.6+conf@fs")["trace"] is None
+    assert spec_bench.resolve("fast-serial+conf") is None and spec_bench.resolve("nope") is None
+
+
+def test_a_missing_trace_is_one_error_line(spec_bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--out", str(tmp_path),
+                                      "--configs", f"inst-trace:{tmp_path / 'none.json'}+conf@fs"])
+    assert spec_bench.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no trace file for") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("most,memory,fit", [(4, 79.6, 3), (4, 140.4, 4), (7, 140.4, 7), (7, 79.6, 3),
+                                              (4, None, 4), (4, 12.0, 1)])
+def test_replay_workers_fit_the_gpu_memory(run, most, memory, fit):
+    assert run.replay_workers(most, memory) == fit
+
+
+def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
+    keys = lambda memory: [s.key for s in run.replay_throughput_steps(tmp_path, memory)]  # noqa: E731
+    assert keys(79.6) == ["time", "audit-w1", "audit-w2", "audit-w3", "table"]
+    assert keys(140.4) == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w7", "table"]
+    assert keys(None) == keys(140.4)
