@@ -187,10 +187,11 @@ def retime_steps(out: Path, configs: list[str]) -> list[Step]:
 
 
 # replay throughput: one stream, audited at each worker count; 7 prompts, one for each of the 7
+# workers an H200 holds at the 9B shape
 REPLAY_WORKERS = (1, 2, 4, 7)
 REPLAY_PROMPTS = 7
-# GPU memory one 9B replay worker takes: 18.3 GiB held (session 20), plus its context and the
-# load's transient peaks, which put a fourth worker out of memory on an 80 GB H100 (session 24)
+# GPU memory one 9B replay worker needs: the 18.3 GiB it holds, plus its context and the load's
+# transient peaks (a fourth worker does not fit on an 80 GB H100: bench/NOTES.md)
 REPLAY_WORKER_GIB = 20.0
 
 
