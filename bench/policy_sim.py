@@ -234,8 +234,7 @@ def simulate(acceptance, costs: Costs, n: int, settings: Settings = Settings(),
             new, pending, drafting = j + 1, j + 1, True
         out.seconds += seconds
         out.tokens += min(new, n - out.tokens)
-    if policy.drafted and policy.fixed is None:
-        out.learnt = policy.accept[0]
+    out.learnt = policy.learnt()
     return out
 
 

@@ -186,14 +186,14 @@ def main(argv=None) -> int:
             print(f"   {us:9.1f} us {c:6.1f}x  {n}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print("\n| op | wall ms | host ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | copy/cat ms | "
-          "attention ms |")
+    print("\n| op | wall ms | host ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | "
+          "copy/cat ms | attention ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         c = r["classes"]
         get = lambda k: c.get(k, {"us": 0.0})["us"] / 1e3  # noqa: E731
-        print(f"| {name} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {r['busy_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | "
-              f"{get('gemm'):.3f} | "
+        print(f"| {name} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {r['busy_ms']:.3f} | {r['kernel_ms']:.3f} | "
+              f"{r['kernels']:.0f} | {get('gemm'):.3f} | "
               f"{get('reduction'):.3f} | {get('elementwise'):.3f} | {get('copy/cat'):.3f} | {get('attention'):.3f} |")
     return 0
 

@@ -221,7 +221,8 @@ def main() -> int:
         print(f"error: unknown configs {unknown}; known: {', '.join(BASE)}, {TRACE}FILE, {SMALL}NAME, "
               "each also as NAME@fs", file=sys.stderr)
         return 2
-    missing = [c for c in names if resolve(c)["trace"] and not Path(resolve(c)["trace"]).is_file()]
+    traces = {c: resolve(c)["trace"] for c in names}
+    missing = [c for c, trace in traces.items() if trace and not Path(trace).is_file()]
     if missing and not args.table_only:
         print(f"error: no trace file for {missing}", file=sys.stderr)
         return 2

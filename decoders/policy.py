@@ -391,6 +391,11 @@ class DepthPolicy:
             self.probe_extra += (extra - self.probe_extra) / min(self.probes_timed, self.times.horizon)
         self._probe_at = None
 
+    def learnt(self) -> float | None:
+        """The depth-1 acceptance this policy ended with, for the next decode's prior; None where it
+        learnt nothing (it never drafted, or its depth was fixed)."""
+        return self.accept[0] if self.drafted and self.fixed is None else None
+
     def state(self) -> dict:
         return {"prior": round(self.prior, 4), "accept": [round(a, 4) for a in self.accept],
                 "best_depth": self.best_depth(),

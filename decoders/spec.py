@@ -492,8 +492,8 @@ class SpecDecoder:
                 last = time.perf_counter()  # the callback's time belongs to no round
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
-        if policy.drafted and policy.fixed is None:
-            self.carried_accept[settings(sampler)] = policy.accept[0]
+        if policy.learnt() is not None:
+            self.carried_accept[settings(sampler)] = policy.learnt()
         if not sampler.greedy:
             stats.extra["rows_picked"] = self.picks.picked  # window rows and steps the sampler picked
         return DecodeResult(tokens, stats)

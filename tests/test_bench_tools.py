@@ -9,9 +9,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    """bench/NAME.py as the module ``bench_NAME`` (``run`` alone is too common a name to register)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
