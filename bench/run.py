@@ -14,7 +14,7 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               stream and lanes), draft step and prefill
   table       bench/spec_bench.py: the standard synthetic-9b configurations, each against the control
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
-  targets     bench/spec_bench.py on synthetic-9b, issue 28's rows, each side by side against
+  targets     bench/spec_bench.py on synthetic-9b, the speed targets' rows, each side by side against
               fast-serial: the instrument at alpha 0.6, 0.7 (256 new tokens) and 0.85 (512), spec's
               random head (3 legs), and small's real acceptance traces (bench/traces: held-out, dev)
               replayed at the 9B shape, each with stop=depth and stop=confidence (+conf), and alpha
@@ -106,7 +106,7 @@ TABLE_CONFIGS = ("fast-serial", "spec-naive", "spec", "inst-0.6", "inst-0.85", "
 SMALL_CONFIGS = ("fast-serial", "spec", "spec@fs")
 # spec with a head that predicts nothing is within a few percent of fast-serial: one leg is noise
 LEGS = {"spec@fs": 3}
-# issue 28's rows, each side by side against fast-serial: the instrument at three acceptance levels,
+# the speed targets' rows, each side by side against fast-serial: the instrument at three acceptance levels,
 # spec's random head, and small's real acceptance (held-out and dev traces, with the head's
 # confidences) replayed at the 9B shape, with each round's depth chosen before drafting and with
 # stop=confidence
