@@ -10,7 +10,9 @@ class (GEMM, reduction, elementwise, copy/cat, attention, other), and the top ke
 the windows are profiled once per runtime named in --lanes (one stream, and the runtime's default
 lanes), so the two sit side by side.
 Kernel sum above busy time is concurrency; wall above busy time is the GPU idling (launch or
-host bound). Diagnostic only: speed claims come from the side-by-side benchmarks.
+host bound), placed by the idle gaps' lengths: sub-microsecond gaps are the GPU starting the next
+dependent kernel, longer ones wait for the host. "step + token read" is fast-serial's loop, which
+reads each token on the host before issuing the next step. Diagnostic only: speed claims come from the side-by-side benchmarks.
 """
 from __future__ import annotations
 
@@ -75,23 +77,52 @@ def profile_op(fn, calls: int):
             "kernel_ms": sum(us for _, us in per_call.values()) / 1e3,
             "kernels": sum(c for c, _ in per_call.values()),
             "busy_ms": busy_time(spans) / calls / 1e3,
+            "span_ms": (max(b for _, b in spans) - min(a for a, _ in spans)) / calls / 1e3 if spans else 0.0,
+            "gaps": idle_gaps(spans, calls),
             "classes": class_split(per_call),
             "top": sorted(([n[:90], c, us] for n, (c, us) in per_call.items()), key=lambda r: -r[2])[:25]}
+
+
+def busy_intervals(spans) -> list[tuple[float, float]]:
+    """The union of kernel intervals, as disjoint (start, end) pairs in time order (us)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def busy_time(spans) -> float:
     """Time at least one kernel runs (the union of their intervals, us). On one stream it equals the
     kernel-time sum; with lanes it is less by what ran concurrently, and it is the estimate of the
     critical path as run. The wall above it is time the GPU idled."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
+    return sum(b - a for a, b in busy_intervals(spans))
+
+
+# Idle gaps by length (us): under ~1 us is the GPU's own start of the next dependent kernel inside
+# a graph; tens of us are waits for work the host had not yet issued (a segment boundary, an eager
+# kernel) or for a host read.
+GAP_BUCKETS = (1.0, 3.0, 10.0, 30.0, float("inf"))
+
+
+def gap_label(hi: float) -> str:
+    i = GAP_BUCKETS.index(hi)
+    lo = GAP_BUCKETS[i - 1] if i else 0.0
+    return f"<{hi:g}us" if not i else (f"{lo:g}-{hi:g}us" if hi != float("inf") else f">={lo:g}us")
+
+
+def idle_gaps(spans, calls: int) -> dict[str, dict[str, float]]:
+    """Per call: how many idle gaps between busy intervals fall in each length bucket, and their ms."""
+    runs = busy_intervals(spans)
+    out = {gap_label(hi): {"count": 0.0, "ms": 0.0} for hi in GAP_BUCKETS}
+    for (_, end), (start, _) in zip(runs, runs[1:]):
+        gap = start - end
+        bucket = out[gap_label(next(hi for hi in GAP_BUCKETS if gap < hi))]
+        bucket["count"] += 1 / calls
+        bucket["ms"] += gap / 1e3 / calls
+    return out
 
 
 def class_split(per_call):
@@ -140,6 +171,10 @@ def main(argv=None) -> int:
         runtime.prefill(prompt)  # a fresh position range: every call commits one position
         return lambda: runtime.step(tok)
 
+    def step_and_read(runtime):
+        runtime.prefill(prompt)
+        return lambda: runtime.step(tok).ws["argmax"].item()  # fast-serial's loop: each token read on the host
+
     def window(runtime, w):
         block = tok.expand(1, w).contiguous()
         return lambda: runtime.verify(block)  # never accepted
@@ -166,6 +201,7 @@ def main(argv=None) -> int:
                                                           lanes=int(lanes))
         tag = f"lanes {runtime.lanes.width}"
         ops[f"step (graphed, {tag})"] = step(runtime)
+        ops[f"step + token read ({tag})"] = step_and_read(runtime)
         ops.update({f"window {w} (graphed, {tag})": window(runtime, w) for w in windows})
     rt.prefill(prompt)
     dr.prefill(hidden, prompt)
@@ -179,7 +215,9 @@ def main(argv=None) -> int:
         r = results[name]
         print(f"\n== {name}: wall {r['wall_ms']:.3f} ms (host {r['host_ms']:.3f}), "
               f"kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels, "
-              f"busy {r['busy_ms']:.3f} ms")
+              f"busy {r['busy_ms']:.3f} ms, profiled span {r['span_ms']:.3f} ms")
+        print("   idle gaps per call: " + ", ".join(f"{k} {v['count']:.1f} ({v['ms']:.3f} ms)"
+                                                    for k, v in r["gaps"].items()))
         for cls, v in sorted(r["classes"].items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {cls:12s} {v['count']:7.1f} kernels {v['us'] / 1e3:8.3f} ms")
         for n, c, us in r["top"][:15]:

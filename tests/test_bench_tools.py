@@ -61,3 +61,15 @@ def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
     assert keys(79.6) == ["time", "audit-w1", "audit-w2", "audit-w3", "table"]
     assert keys(140.4) == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w7", "table"]
     assert keys(None) == keys(140.4)
+
+
+def test_profile_idle_gaps_are_the_time_between_busy_intervals_by_length():
+    prof = load("profile_runtime")
+    # two lanes overlapping (0-10, 5-12), a 0.5 us gap, a 40 us gap, a 2 us gap; two calls
+    spans = [(0.0, 10.0), (5.0, 12.0), (12.5, 20.0), (60.0, 70.0), (72.0, 80.0)]
+    assert prof.busy_time(spans) == 12.0 + 7.5 + 10.0 + 8.0
+    gaps = prof.idle_gaps(spans, calls=2)
+    assert gaps["<1us"] == {"count": 0.5, "ms": 0.5 / 1e3 / 2}
+    assert gaps["1-3us"] == {"count": 0.5, "ms": 2.0 / 1e3 / 2}
+    assert gaps[">=30us"] == {"count": 0.5, "ms": 40.0 / 1e3 / 2}
+    assert gaps["3-10us"]["count"] == gaps["10-30us"]["count"] == 0
