@@ -11,7 +11,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               count of all four side by side
   probe       bench/exactness_probe.py: verify windows replayed against serial steps, op class by op class
   profile     bench/profile_runtime.py: busy and kernel time, kernel count per step and window (one
-              stream and lanes), draft step and prefill
+              stream and lanes), the step with its token read, idle gaps by length, draft step and prefill
+  gemm-stack  bench/gemm_stack_probe.py: each projection's GEMM time and kernel on 1-4 rows, and each
+              stack of projections that read one input (Gated-DeltaNet in_proj_*, attention q/k/v,
+              MLP gate/up) as one GEMM: its time and whether every slice is bit-equal
   table       bench/spec_bench.py: the standard synthetic-9b configurations, each against the control
               (NAME@fs: side by side against fast-serial), then one `audit replay` of every stream
   targets     bench/spec_bench.py on synthetic-9b, the speed targets' rows, each side by side against
@@ -281,6 +284,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
                                "--scenarios", "partial,w2,partial+drafter", "--json", str(out / "probe.json")))]
     if name == "profile":
         return [Step("profile", (PY, "bench/profile_runtime.py", "--json", str(out / "profile.json")))]
+    if name == "gemm-stack":
+        return [Step("gemm-stack", (PY, "bench/gemm_stack_probe.py", "--json", str(out / "gemm-stack.json")))]
     if name == "table":
         return spec_bench_steps(str(out / "table"), configs or list(TABLE_CONFIGS),
                                 ["--model", "synthetic-9b", "--prompts", "random-512", "--limit", "4", "-n", "256",
@@ -332,7 +337,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
-SETS = ("runtime", "probe", "profile", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
+SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
         "cpu-verify", "retime-null", "policy", "tests-cuda", "suite")
