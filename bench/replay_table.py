@@ -1,7 +1,7 @@
 """Print one markdown table of `audit replay --workers N` throughput: ``python bench/replay_table.py DIR/audit-w*.json``.
 
 Each audit.json is one replay of the same stream with a number of workers (``replay.workers``).
-Per document: tokens replayed, the replay's seconds (from the first walk handed out to the last
+Per document (named by its file): tokens replayed, the replay's seconds (from the first walk handed out to the last
 result; worker start-up and model loads excluded), tokens/s, the speed-up over the fewest
 workers, and whether the document equals that one field by field, apart from the replay's
 timing and worker count. Exits 1 when any document differs (each differing field is printed
@@ -37,28 +37,30 @@ def comparable(doc: dict) -> dict:
 
 
 def main(paths: list[str]) -> int:
-    docs = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda d: d["replay"].get("workers", 1))
+    named = sorted(((Path(p).stem, json.loads(Path(p).read_text())) for p in paths if Path(p).is_file()),
+                   key=lambda nd: nd[1]["replay"].get("workers", 1))
+    docs = [d for _, d in named]
     if not docs:
         print("no audit.json given")
         return 1
     base = docs[0]
     base_rate = base["replay"]["tokens_replayed"] / base["replay"]["seconds"]
     rows, agree = [], True
-    for d in docs:
+    for name, d in named:
         rp = d["replay"]
         rate = rp["tokens_replayed"] / rp["seconds"]
         diff = differences(comparable(base), comparable(d))
         for line in diff:
             print(f"workers {rp.get('workers', 1)} differs at {line}")
         agree = agree and not diff
-        rows.append(f"| {rp.get('workers', 1)} | {rp['tokens_replayed']} | {rp['seconds']:.1f} | {rate:.1f} | "
+        rows.append(f"| {name} | {rp.get('workers', 1)} | {rp['tokens_replayed']} | {rp['seconds']:.1f} | {rate:.1f} | "
                     f"{rate / base_rate:.2f}x | {rp['ms_per_token']:.1f} | {d['verdict']} | "
                     f"{'yes' if not diff else f'NO ({len(diff)} fields)'} |")
     print(f"\nreplay of {base['stream']} on {base['replay']['device']}; "
           f"audit.json documents {'agree' if agree else 'DIFFER'}\n")
-    print(f"| workers | tokens replayed | replay s | tokens/s | vs {base['replay'].get('workers', 1)} worker(s) "
+    print(f"| document | workers | tokens replayed | replay s | tokens/s | vs {base['replay'].get('workers', 1)} worker(s) "
           "| ms/token (all workers) | verdict | same audit.json |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0 if agree else 1
 

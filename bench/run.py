@@ -60,8 +60,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               7 prompts x 96 tokens) at --workers 1, 2, 4 and 7 on the one GPU (7: one prompt each,
               and the most 9B workers an H200's memory holds; a smaller GPU stops at its own most,
-              3 on an 80 GB H100): tokens/s per setting,
-              and whether the audit.json documents agree (bench/replay_table.py)
+              3 on an 80 GB H100), and, where nvidia-cuda-mps-control exists, the most again under an
+              MPS daemon of the set's own: tokens/s per setting, and whether the audit.json documents
+              agree (bench/replay_table.py)
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
               audit replay, audit retime) beside a steady CPU hog (4 at once); two tables
@@ -227,8 +228,22 @@ def replay_throughput_steps(out: Path, memory_gib: float | None) -> list[Step]:
     steps += [Step(f"audit-w{n}", (PY, "-m", "audit", "replay", str(stream), "--workers", str(n),
                                    "--out", str(out / f"audit-w{n}.json")), ok=(0, 1))
               for n in sorted({n for n in REPLAY_WORKERS if n <= fit} | {fit})]
-    steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py "{out}"/audit-w*.json')))
+    if shutil.which("nvidia-cuda-mps-control"):
+        steps.append(mps_replay_step(stream, out, fit))
+    steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py "{out}"/audit-w*.json "{out}"/audit-mps-*.json')))
     return steps
+
+
+def mps_replay_step(stream: Path, out: Path, workers: int) -> Step:
+    """The most workers again with an MPS control daemon of this step's own (its pipe and log
+    directories under DIR), so the workers' kernels share the GPU at once instead of taking turns
+    by time slice; the daemon is told to quit when the audit ends."""
+    pipe, logs = out / "mps" / "pipe", out / "mps" / "log"
+    env = f'CUDA_MPS_PIPE_DIRECTORY="{pipe}" CUDA_MPS_LOG_DIRECTORY="{logs}"'
+    script = (f'mkdir -p "{pipe}" "{logs}" && export {env} && nvidia-cuda-mps-control -d && '
+              f'{PY} -m audit replay "{stream}" --workers {workers} --out "{out}/audit-mps-w{workers}.json"; '
+              f'rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc')
+    return Step(f"audit-mps-w{workers}", ("sh", "-c", script), ok=(0, 1))
 
 
 # the sampling sweeps: every (model, sampler, decoder) streamed under its sampler, then replayed

@@ -1,5 +1,6 @@
 """bench/run.py and bench/spec_bench.py: configuration names, and what a set asks of the GPU."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -73,3 +74,34 @@ def test_profile_idle_gaps_are_the_time_between_busy_intervals_by_length():
     assert gaps["1-3us"] == {"count": 0.5, "ms": 2.0 / 1e3 / 2}
     assert gaps[">=30us"] == {"count": 0.5, "ms": 40.0 / 1e3 / 2}
     assert gaps["3-10us"]["count"] == gaps["10-30us"]["count"] == 0
+
+
+def test_replay_table_names_each_document_and_compares_all_but_the_pool_fields(tmp_path, capsys, run):
+    table = load("replay_table")
+    base = {"stream": "s.jsonl", "verdict": "pass", "findings": [],
+            "replay": {"device": "cuda", "tokens_replayed": 96, "seconds": 8.0, "ms_per_token": 80.0, "workers": 1}}
+    paths = []
+    for name, workers, seconds in (("audit-w1", 1, 8.0), ("audit-w7", 7, 2.0), ("audit-mps-w7", 7, 1.5)):
+        doc = json.loads(json.dumps(base))
+        doc["replay"].update(workers=workers, seconds=seconds)
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert table.main([str(p) for p in paths] + [str(tmp_path / "audit-mps-*.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| audit-w1 | 1 | 96 | 8.0 | 12.0 | 1.00x" in out and "| audit-mps-w7 | 7 | 96 | 1.5 | 64.0 | 5.33x" in out
+    doc["verdict"] = "fail"
+    paths[2].write_text(json.dumps(doc))
+    assert table.main([str(p) for p in paths]) == 1
+
+
+def test_replay_throughput_runs_the_most_workers_again_under_mps_only_where_the_daemon_exists(tmp_path, run,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(run.shutil, "which", lambda name: None)
+    keys = [s.key for s in run.replay_throughput_steps(tmp_path, 140.0)]
+    assert keys == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w7", "table"]
+    monkeypatch.setattr(run.shutil, "which", lambda name: "/usr/bin/" + name)
+    steps = run.replay_throughput_steps(tmp_path, 79.6)  # an 80 GB H100
+    assert [s.key for s in steps] == ["time", "audit-w1", "audit-w2", "audit-w3", "audit-mps-w3", "table"]
+    script = steps[-2].argv[-1]
+    assert "nvidia-cuda-mps-control -d" in script and "echo quit | nvidia-cuda-mps-control" in script
+    assert "--workers 3" in script and str(tmp_path / "mps" / "pipe") in script
