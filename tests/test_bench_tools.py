@@ -105,3 +105,10 @@ def test_replay_throughput_runs_the_most_workers_again_under_mps_only_where_the_
     script = steps[-2].argv[-1]
     assert "nvidia-cuda-mps-control -d" in script and "echo quit | nvidia-cuda-mps-control" in script
     assert "--workers 3" in script and str(tmp_path / "mps" / "pipe") in script
+
+
+def test_gemm_stack_probe_tries_every_run_of_neighbouring_projections():
+    probe = load("gemm_stack_probe")
+    assert probe.stacks(probe.MLP) == [("gate_proj", "up_proj")]
+    assert probe.stacks(probe.ATTENTION) == [("q_proj", "k_proj"), ("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj")]
+    assert len(probe.stacks(probe.GDN)) == 6 and ("in_proj_b", "in_proj_a") in probe.stacks(probe.GDN)
