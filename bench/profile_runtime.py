@@ -141,6 +141,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--windows", default="2,4,7")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode", type=int, default=128,
+                    help="tokens of one instrument decode at alpha 0.6 profiled whole (0: none): the rounds' gaps")
+    ap.add_argument("--shortlist", default="bench/synthetic9b-shortlist-32k.json",
+                    help="the instrument's draft shortlist (the benchmarks' own)")
     ap.add_argument("--lanes", default="1,auto",
                     help="step and windows profiled for each: 1 = one stream, auto = the runtime's default lanes")
     args = ap.parse_args(argv)
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.backbone.config)
-        model.backbone.model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache, use_cache=True)
+        model.backbone.model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=cache, use_cache=True)
 
     def runtime_prefill():
         rt.prefill(prompt)
@@ -209,11 +213,27 @@ def main(argv=None) -> int:
     ops.update({f"window {max(windows)} (eager)": window_eager(max(windows)),
                 "draft step": lambda: dr.chained_step(dr.filled), f"HF forward {n} (control's prefill)": hf_forward,
                 f"runtime prefill {n}": runtime_prefill, f"drafter prefill {n}": drafter_prefill})
+    if args.decode:
+        from decoders.spec import InstrumentedSpecDecoder
+
+        inst = InstrumentedSpecDecoder(alpha=0.6, shortlist=args.shortlist)
+        inst.prepare(model)
+        rounds = []
+
+        def decode():
+            result = inst.decode(prompt, args.decode)
+            rounds.append(sum(1 for d in result.stats.extra["depth_trace"] if d))
+
+        ops[f"decode, instrument alpha 0.6, {args.decode} tokens"] = decode
     results = {}
     for name, fn in ops.items():
-        results[name] = profile_op(fn, args.calls if "prefill" not in name and "HF" not in name else 3)
+        results[name] = profile_op(fn, args.calls if "prefill" not in name and "HF" not in name
+                                   and "decode," not in name else 3)
+        if name.startswith("decode,"):
+            results[name]["drafting_rounds"] = rounds[-1]
         r = results[name]
         print(f"\n== {name}: wall {r['wall_ms']:.3f} ms (host {r['host_ms']:.3f}), "
+              + (f"{r['drafting_rounds']} drafting rounds, " if "drafting_rounds" in r else "") +
               f"kernels {r['kernel_ms']:.3f} ms in {r['kernels']:.0f} kernels, "
               f"busy {r['busy_ms']:.3f} ms, profiled span {r['span_ms']:.3f} ms")
         print("   idle gaps per call: " + ", ".join(f"{k} {v['count']:.1f} ({v['ms']:.3f} ms)"
