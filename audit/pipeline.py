@@ -142,19 +142,18 @@ def check_out_path(out_path: Path, stream: Path) -> Path:
 def check_writable(out_path: Path) -> None:
     """Refused before the replay when ``out_path`` cannot be written (its directory, or the
     nearest one that exists when it is still to be made, refuses a new file), so a long replay
-    never ends in an unwritable path. Leaves nothing behind."""
+    never ends in an unwritable path. Tried with a probe file, not asked of ``os.access`` (which
+    says yes to root on a read-only mount or a kernel file system); leaves nothing behind."""
     parent = Path(out_path).parent
-    if parent.is_dir():
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{Path(out_path).name}.", suffix=".probe", dir=parent)
-        except OSError as exc:
-            raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-        os.close(fd)
-        os.unlink(tmp)
-        return
     existing = next((a for a in (parent, *parent.parents) if a.exists()), Path("."))
-    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
-        raise BadInput(f"cannot write {out_path}: {existing} is not a writable directory")
+    if not existing.is_dir():
+        raise BadInput(f"cannot write {out_path}: {existing} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{Path(out_path).name}.", suffix=".probe", dir=existing)
+    except OSError as exc:
+        raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def replay_info(devices: list[dict], tokens: int, seconds: float, workers: int = 1) -> dict:

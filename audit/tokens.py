@@ -16,8 +16,10 @@ the emitted token's by at most the tolerance (default: ``TIE_ULPS`` ulps of the 
 the top-1 logit), so it can come from the order of the arithmetic alone; above it, or at a stop,
 it is real. Under a sampler the same holds of the sampler's scores (``audit.replay.sampler_scores``:
 logit + T * Gumbel noise, for the tokens its filter keeps); an emitted token the filter drops is
-real. A line that records its own ``sampler`` (``harness generate --record``, ``harness serve``)
-must match ``--sampling``: an output is judged against the sampler it claims.
+real. Each line is judged under the sampler it records (``harness generate --record`` and
+``harness serve --record`` record theirs, greedy included), a line that records none under
+``--sampling`` (default greedy); a line that records another sampler than an explicit
+``--sampling`` is refused: an output is judged against the sampler it claims.
 
 With a reference file (the same engine without speculation) each pair of outputs is compared
 where they first part, and the pristine path says there which of them is greedy and by what margin:
@@ -82,6 +84,7 @@ class Generation:
     padded: bool = False  # shape (c): ``generate`` pads finished rows after their EOS
     max_new_tokens: int | None = None  # the line's own N, where it gives one
     sampler: Sampler | None = None  # the line's own sampler, where it records one
+    judged: Sampler = GREEDY  # what it is judged under (``judge_samplers``)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class TokensOptions:
     reference: Path | None = None
     limit: int | None = None
     max_new_tokens: int | None = None  # None: the longest output
-    sampler: Sampler = GREEDY  # what the engine claims decided its tokens
+    sampler: Sampler | None = None  # --sampling: what lines that record no sampler claim; None: greedy
 
 
 @dataclass
@@ -191,14 +194,21 @@ def generations_of(rec: dict, where: str, lineno: int) -> list[Generation]:
                        own_n, sampler) for k, out in enumerate(outputs)]
 
 
-def check_samplers(gens: list[Generation], sampler: Sampler, path: Path) -> None:
-    """A line that records its sampler is judged with that one only: another ``--sampling`` is
-    bad input (the check would judge a claim the line does not make)."""
+def same_sampler(a: Sampler, b: Sampler) -> bool:
+    """Whether two samplers pick the same tokens (every greedy one does, whatever its seed)."""
+    return a == b or (a.greedy and b.greedy)
+
+
+def judge_samplers(gens: list[Generation], given: Sampler | None, path: Path) -> None:
+    """Set what each line is judged under: the sampler it records, else ``given`` (--sampling;
+    None: greedy). A line that records another sampler than an explicit --sampling is bad input:
+    the check would judge a claim the line does not make."""
     for g in gens:
-        if g.sampler is not None and g.sampler != sampler:
+        if g.sampler is not None and given is not None and not same_sampler(g.sampler, given):
             raise UserError(f"{path} line {g.line}: the output records the sampler {g.sampler.describe()}, "
-                            f"but it is audited with --sampling {sampler.describe()}; pass --sampling "
-                            f"{g.sampler.describe()!r}")
+                            f"but --sampling says {given.describe()}; leave --sampling out to judge every "
+                            "line under the sampler it records")
+        g.judged = (g.sampler if g.sampler is not None else given) or GREEDY
 
 
 def n_of(g: Generation, n: int) -> int:
@@ -351,23 +361,25 @@ def verdict(counts: dict) -> str:
 # --------------------------------------------------------------------------- the walk
 
 
-def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int], log,
-                 sampler: Sampler = GREEDY) -> tuple[dict, int, float]:
-    """One pristine walk per distinct prompt for all its outputs (``replay_prompt``), with a
-    progress bar (``audit.progress``). Keeps the logits at the positions where a generation parts
-    from its reference. Returns ({prompt ids: Walked}, positions computed, seconds)."""
+def walk_prompts(model, gens: list[Generation], n: int, partings: dict[str, int],
+                 log) -> tuple[dict, int, float]:
+    """One pristine walk per distinct (prompt, N, sampler) for all its outputs (``replay_prompt``),
+    with a progress bar (``audit.progress``). Keeps the logits at the positions where a generation
+    parts from its reference. Returns ({(prompt ids, N, sampler): Walked}, positions computed,
+    seconds)."""
     stepper = PristineSerial(model)
     eos = set(model.eos_token_ids)
     groups: dict[tuple, list[Generation]] = {}
     for g in gens:
-        groups.setdefault((tuple(g.prompt_ids), n_of(g, n)), []).append(g)
-    planned = sum(expected_positions([g.output for g in members], own_n) for (_, own_n), members in groups.items())
+        groups.setdefault((tuple(g.prompt_ids), n_of(g, n), g.judged), []).append(g)
+    planned = sum(expected_positions([g.output for g in members], own_n) for (_, own_n, _), members in groups.items())
     walked, positions, t0 = {}, 0, time.perf_counter()
     with Progress(planned, "tokens", log) as bar:
-        for k, ((prompt, own_n), members) in enumerate(groups.items(), start=1):
-            walked[prompt, own_n], walk_len = walk_group(stepper, prompt, members, own_n, eos, partings, bar, sampler)
+        for k, (key, members) in enumerate(groups.items(), start=1):
+            prompt, own_n, sampler = key
+            walked[key], walk_len = walk_group(stepper, prompt, members, own_n, eos, partings, bar, sampler)
             positions += walk_len
-            diverged = sum(walked[prompt, own_n].results[tuple(g.output)] is not None for g in members)
+            diverged = sum(walked[key].results[tuple(g.output)] is not None for g in members)
             bar.log(f"tokens [{k}/{len(groups)}] {members[0].id}: {walk_len} positions, {len(members)} output(s), "
                     f"{'exact' if not diverged else f'{diverged} diverge'}")
     return walked, positions, time.perf_counter() - t0
@@ -457,17 +469,17 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
     entries = []
     counts = {"exact": 0, NEAR_TIE: 0, REAL: 0, STOP: 0}
     for g in gens:
-        walk = walked[tuple(g.prompt_ids), n_of(g, n)]
+        walk = walked[tuple(g.prompt_ids), n_of(g, n), g.judged]
         div = walk.results[tuple(g.output)]
         first = divergence_json(div, dtype, opts.tie_margin) if div else None
         counts["exact" if first is None else first["class"]] += 1
         entry = {"id": g.id, "line": g.line, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output),
                  "exact": first is None, "ends_with_eos": bool(g.output) and g.output[-1] in model.eos_token_ids,
-                 "first_divergence": first}
+                 "first_divergence": first, "sampler": g.judged.to_json()}
         if pairs is not None:
             ref = pairs[g.id]
             entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n),
-                                               opts.sampler)
+                                               g.judged)
                                   if ref is not None else None)
         entries.append(entry)
     doc = {
@@ -480,8 +492,9 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
         "determinism": determinism.current(),
         "max_new_tokens": n,
         "n_from": "-n" if opts.max_new_tokens else "longest output",
-        # the sampler the outputs were judged against (greedy: temperature 0)
-        "sampler": opts.sampler.to_json(),
+        # --sampling: the sampler lines that record none were judged under (greedy: temperature 0);
+        # each generation's own is in its entry
+        "sampler": (opts.sampler or GREEDY).to_json(),
         "eos_token_ids": list(model.eos_token_ids),
         "tie_margin": ({"mode": "fixed", "value": opts.tie_margin} if opts.tie_margin is not None
                        else {"mode": "ulps", "ulps": TIE_ULPS, "dtype": str(dtype).removeprefix("torch.")}),
@@ -506,12 +519,14 @@ def fmt(x, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def divergence_text(d: dict | None) -> str:
+def divergence_text(d: dict | None, sampled: bool = False) -> str:
+    """A first divergence in a line: the emitted token against the control's (the argmax, or under
+    a sampler its pick)."""
     if d is None:
         return "-"
     if d["class"] == STOP:
         return f"@{d['position']}: {d['stop']}"
-    return f"@{d['position']}: {d['emitted']} vs greedy {d['greedy']}"
+    return f"@{d['position']}: {d['emitted']} vs {'pick' if sampled else 'greedy'} {d['greedy']}"
 
 
 def parting_text(p: dict | None) -> str:
@@ -524,11 +539,15 @@ def parting_text(p: dict | None) -> str:
 
 
 def render_table(doc: dict) -> str:
-    rows = [("id", "tokens", "exact", "first divergence", "margin", "gap", "tolerance", "class")]
-    for e in doc["generations"]:
+    judged = [Sampler.from_json(e.get("sampler", doc.get("sampler"))) for e in doc["generations"]]
+    mixed = len({s.describe() for s in judged}) > 1  # then each line names its sampler
+    rows = [("id", "tokens", "exact", "first divergence", "margin", "gap", "tolerance", "class")
+            + (("sampler",) if mixed else ())]
+    for e, sampler in zip(doc["generations"], judged):
         d = e["first_divergence"]
-        rows.append((e["id"], str(e["output_tokens"]), "yes" if e["exact"] else "NO", divergence_text(d),
-                     fmt(d and d["margin"]), fmt(d and d["gap"]), fmt(d and d["tolerance"]), d["class"] if d else "-"))
+        rows.append((e["id"], str(e["output_tokens"]), "yes" if e["exact"] else "NO",
+                     divergence_text(d, not sampler.greedy), fmt(d and d["margin"]), fmt(d and d["gap"]),
+                     fmt(d and d["tolerance"]), d["class"] if d else "-") + ((sampler.describe(),) if mixed else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i in (1, 4, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
                        ).rstrip() for r in rows]
@@ -538,8 +557,7 @@ def render_table(doc: dict) -> str:
         lines += [f"  {e['id']}: {parting_text(e['reference'])}" for e in doc["generations"]]
     c, tm, rp = doc["counts"], doc["tie_margin"], doc["replay"]
     tol = f"{tm['ulps']} ulps of {tm['dtype']} at the top-1 logit" if tm["mode"] == "ulps" else f"{tm['value']:g}"
-    sampler = Sampler.from_json(doc.get("sampler"))
-    sampled = "" if sampler.greedy else f"; sampler: {sampler.describe()}"
+    sampled = "" if mixed or all(s.greedy for s in judged) else f"; sampler: {judged[0].describe()}"
     lines += ["", f"N = {doc['max_new_tokens']} ({doc['n_from']}){sampled}; near-tie tolerance: {tol}",
               f"replay: {rp['tokens_replayed']} positions in {rp['seconds']:.2f} s on {rp['device']} via {rp['path']}",
               f"{c['generations']} generations: {c['exact']} exact, {c[NEAR_TIE]} near-tie, {c[REAL]} real, "
@@ -601,7 +619,7 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     except UserError as exc:
         raise UserError(f"cannot load model {opts.model!r} to replay with: {exc}") from None
     resolve(gens, model, path)
-    check_samplers(gens, opts.sampler, path)
+    judge_samplers(gens, opts.sampler, path)
     if pairs is not None:
         resolve(inputs.refs, model, opts.reference)
         check_same_prompts(gens, pairs, opts.reference, path)
@@ -616,9 +634,10 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
         if k is not None:
             partings[g.id] = k
     if log:
-        sampled = "" if opts.sampler.greedy else f", {opts.sampler.describe()}"
+        samplers = sorted({g.judged.describe() for g in gens})
+        sampled = "" if samplers == ["greedy"] else f", {' / '.join(samplers)}"
         log(f"auditing {len(gens)} generation(s) of {path} with {model.name} on {dev}, N = {n}{sampled} ...")
-    walked, positions, seconds = walk_prompts(model, gens, n, partings, log, opts.sampler)
+    walked, positions, seconds = walk_prompts(model, gens, n, partings, log)
     replay = {"tokens_replayed": positions, "seconds": seconds,
               "ms_per_token": 1000 * seconds / positions if positions else None}
     doc = build_document(opts, inputs, walked, model, dev, n, replay)

@@ -1,8 +1,7 @@
 """Record files: one JSON object per line, appended whole, that `audit tokens` can check.
 
 Shape (a) of docs/audit-tokens.md, with the N the output was decoded under:
-``{"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model"}``, and
-``"sampler"`` for a sampled output.
+``{"id", "prompt_token_ids", "output_token_ids", "max_new_tokens", "decoder", "model", "sampler"}``.
 Several writers (``harness generate`` runs, a server's requests) may append to one file: each
 line goes out in one ``write`` on a file opened for appending, then is flushed to disk, so lines
 never interleave and a crash leaves at most a missing line, never half of one.
@@ -12,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from core.errors import UserError
@@ -19,7 +19,10 @@ from core.errors import UserError
 
 def check_record_path(path) -> Path:
     """Refuse, before any work, a record path that cannot be appended to: a directory, a
-    device or other non-regular file, a missing or unwritable parent directory."""
+    device or other non-regular file, a missing or unwritable parent directory. Writability is
+    tried, not asked of ``os.access`` (which says yes to root on a read-only mount or a kernel
+    file system): an existing file is opened for appending, a missing one's directory takes a
+    probe file, and nothing is left behind."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -27,8 +30,13 @@ def check_record_path(path) -> Path:
         parent = path.parent
         if not parent.is_dir():
             raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} does not exist") from None
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} is not writable") from None
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        except OSError as exc:
+            raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} is not writable "
+                            f"({exc.strerror})") from None
+        os.close(fd)
+        os.unlink(probe)
         return path
     except OSError as exc:
         raise UserError(f"record file {str(path)!r}: {exc.strerror}") from None
@@ -36,8 +44,10 @@ def check_record_path(path) -> Path:
         raise UserError(f"record file {str(path)!r} is a directory")
     if not stat.S_ISREG(st.st_mode):
         raise UserError(f"record file {str(path)!r} is not a regular file")
-    if not os.access(path, os.W_OK):
-        raise UserError(f"record file {str(path)!r} is not writable")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as exc:
+        raise UserError(f"record file {str(path)!r} is not writable ({exc.strerror})") from None
     return path
 
 
@@ -70,11 +80,12 @@ def append_record(path, record: dict) -> None:
 
 def generation_record(record_id: str, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int,
                       decoder: str, model: str, sampler=None) -> dict:
-    """One generation in `audit tokens` shape (a), with its own N; a sampled one also with its
-    ``sampler`` (``core.sampling.Sampler``, recorded as ``to_json()``), which `audit tokens
-    --sampling` must match."""
+    """One generation in `audit tokens` shape (a), with its own N and its ``sampler``
+    (``core.sampling.Sampler``'s ``to_json()``; greedy too, so `audit tokens` judges every line
+    under the sampler that decided it)."""
     record = {"id": record_id, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
               "max_new_tokens": int(max_new_tokens), "decoder": decoder, "model": model}
-    if sampler is not None and not sampler.greedy:
-        record["sampler"] = sampler.to_json()
+    from core.sampling import GREEDY  # imports torch: only when a record is made
+
+    record["sampler"] = (GREEDY if sampler is None or sampler.greedy else sampler).to_json()
     return record

@@ -120,7 +120,17 @@ class Sampler:
                 fields[key] = int(value) if key in ("top_k", "seed") else float(value)
             except ValueError:
                 raise SamplerError(f"sampler {key}={value!r} is not a number") from None
-        return cls(**fields)
+        return cls(**fields).require_effective()
+
+    def require_effective(self) -> "Sampler":
+        """Itself, unless a filter is set at temperature 0, where greedy decoding would ignore it
+        (a user who forgot the temperature would believe they sampled): a SamplerError then."""
+        if self.greedy:
+            for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+                if getattr(self, name) != off:
+                    raise SamplerError(f"{name}={getattr(self, name):g} has no effect at temperature 0 (greedy): "
+                                       "give a temperature above 0 to sample")
+        return self
 
     def describe(self) -> str:
         if self.greedy:

@@ -24,7 +24,7 @@ def parse_sampling(text: str | None, overrides: dict | None = None):
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
         base = GREEDY if text is None else Sampler.parse(text)
-        return dataclasses.replace(base, **given)
+        return dataclasses.replace(base, **given).require_effective()
     except SamplerError as exc:
         what = f"--sampling {text!r}" if text is not None else "sampling"
         raise UserError(f"{what}: {exc}") from None

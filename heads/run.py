@@ -1,10 +1,12 @@
 """``heads train`` as one function of one frozen request: checks, model and prompts, training,
 summary, save. Exit codes: 0 head saved; 1 not saved (not better, or nothing evaluated); 2 bad
-input; 130 interrupted (Ctrl-C), with a line that says what was written."""
+input (including an --out that cannot be written, found before training, or a write that failed
+at the end); 130 interrupted (Ctrl-C), with a line that says what was written."""
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,22 +29,97 @@ class TrainRequest:
     settings: tuple = ()       # (name, value) pairs for HeadTrainConfig
 
 
-def check_out(out: Path, model_dir: str, names: tuple[str, ...]) -> None:
-    """Refuse an --out that is a file, already holds any of the head directory's files ``names``
-    (they are never overwritten), is the model's own directory, or cannot be written."""
+def check_out(out: Path, model_dir: Path | str | None, names: tuple[str, ...]) -> None:
+    """Refuse an --out that is the model's own checkpoint directory ``model_dir`` (None: the model
+    has none, as synthetic-9b), is a file, already holds any of the head directory's files
+    ``names`` (they are never overwritten), or cannot be written (``probe_writable``: a real
+    file is made and removed, and whatever directories that needed are removed again)."""
+    if model_dir is not None and _same_dir(out, Path(model_dir)):
+        raise UserError(f"--out {str(out)!r} is the model's checkpoint directory; pick another directory "
+                        "(the backbone's files are never touched)")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory")
     held = [n for n in names if (out / n).exists()]
     if held:
         raise UserError(f"--out {str(out)!r} already holds {', '.join(held)}; pick another directory")
-    p = Path(model_dir)
-    if p.is_dir() and out.resolve() == p.resolve():
-        raise UserError("--out must not be the model's checkpoint directory (the backbone's files are never touched)")
-    parent = out if out.exists() else out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {str(out)!r} is not writable")
+    probe_writable(out)
+
+
+def model_dir_of(model: str) -> Path | None:
+    """The checkpoint directory ``--model`` loads from, as ``core.models.load_model`` picks it: a
+    built-in name's committed directory (``COMMITTED``; None for a built-in with no directory,
+    synthetic-9b), else the path given."""
+    from core.catalog import BUILTIN_MODELS
+    from core.models import COMMITTED
+
+    if model in COMMITTED:
+        return Path(COMMITTED[model])
+    if model in BUILTIN_MODELS:
+        return None
+    return Path(model)
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    if not b.is_dir():
+        return False
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.is_dir() and os.path.samefile(a, b)
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        return False
+
+
+def probe_writable(out: Path) -> None:
+    """Refused unless a file can really be created in ``out`` (os.access is not asked: as root it
+    says yes to read-only and virtual file systems). Directories missing on the way are made for
+    the probe and removed again, so the run leaves nothing behind until the head is saved."""
+    created: list[Path] = []
+    try:
+        created = make_dirs(out)
+        fd, tmp = tempfile.mkstemp(prefix=".heads-train.", suffix=".probe", dir=out)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise UserError(f"--out {str(out)!r} is not writable: {exc.strerror or exc}") from None
+    finally:
+        remove_dirs(created)
+
+
+def make_dirs(out: Path) -> list[Path]:
+    """Make ``out`` and the missing directories above it; returns those made, outermost first.
+    On failure the ones made are removed again and the OSError raised."""
+    missing = []
+    p = out
+    while not (p.exists() or p.is_symlink()) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if not p.is_dir():
+        raise NotADirectoryError(20, f"{p} is not a directory")
+    created: list[Path] = []
+    try:
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:  # a "name/.." on the way, or made meanwhile
+                if d.is_dir():
+                    continue
+                raise
+            created.append(d)
+    except OSError:
+        remove_dirs(created)
+        raise
+    return created
+
+
+def remove_dirs(created: list[Path]) -> None:
+    """Remove the directories ``make_dirs`` made, innermost first, while they are empty: rmdir
+    never removes a file, so nothing anyone else put there is lost."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def run_train(req: TrainRequest) -> int:
@@ -92,7 +169,7 @@ def _train(req: TrainRequest, checked: list) -> int:
     cfg = T.HeadTrainConfig(**dict(req.settings),
                             gen_dtype=None if req.gen_dtype == "model" else getattr(torch, req.gen_dtype))
     names = (T.HEAD_FILE, T.SHORTLIST_FILE, T.REPORT_FILE)
-    check_out(req.out, req.model, names)
+    check_out(req.out, model_dir_of(req.model), names)
     checked.append(names)
     model = load_model(req.model, device)
     if model.mtp is None:
@@ -112,10 +189,37 @@ def _train(req: TrainRequest, checked: list) -> int:
               "length; pass --force-save to save it anyway", file=sys.stderr)
         return EXIT_NOT_SAVED
     report["forced"] = not res["improved"]
-    T.save_head(req.out, res["state"], res["shortlist"], report)
+    save(req.out, names, lambda: T.save_head(req.out, res["state"], res["shortlist"], report))
     print(f"wrote {req.out}: {T.HEAD_FILE}, {T.SHORTLIST_FILE}, {T.REPORT_FILE}"
           + (" (forced: not better than the starting head)" if report["forced"] else ""))
     return EXIT_SAVED
+
+
+def save(out: Path, names: tuple[str, ...], write) -> None:
+    """Run ``write`` (the head directory's save) into ``out``. A failed write (disk full, a
+    directory gone read-only since the check) is one UserError, and leaves neither the head's
+    files (``out`` held none of ``names`` before: ``check_out``) nor a directory made for them;
+    Ctrl-C leaves what ``interrupted_message`` reports, and no empty directory."""
+    from safetensors import SafetensorError
+
+    try:
+        created = make_dirs(out)
+    except OSError as exc:
+        raise UserError(f"cannot write the head to {out}: {exc.strerror or exc}; nothing was saved") from None
+    try:
+        write()
+    except (OSError, SafetensorError) as exc:
+        for n in names:
+            try:
+                (out / n).unlink(missing_ok=True)
+            except OSError:
+                pass
+        remove_dirs(created)
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"cannot write the head to {out}: {' '.join(message.split())}; nothing was saved") from None
+    except KeyboardInterrupt:
+        remove_dirs(created)
+        raise
 
 
 def print_summary(report: dict, lines: list[str]) -> None:

@@ -135,12 +135,23 @@ def num(x) -> str:
     return "—" if x is None else f"{x:.4g}"
 
 
-def divergence_cell(d: dict | None) -> str:
+def divergence_cell(d: dict | None, sampled: bool = False) -> str:
+    """The emitted token against the control's: the argmax, or under a sampler its pick."""
     if d is None:
         return "—"
     if d["class"] == "stop":
         return f"@{d['position']}: {d.get('stop') or d.get('reason')}"
-    return f"@{d['position']}: {d.get('emitted')} vs greedy {d.get('greedy')}"
+    return f"@{d['position']}: {d.get('emitted')} vs {'pick' if sampled else 'greedy'} {d.get('greedy')}"
+
+
+def judged_sampler(doc: dict, g: dict):
+    """The sampler a generation was judged under: its entry's, else the document's (``--sampling``)."""
+    from core.sampling import Sampler, SamplerError
+
+    try:
+        return Sampler.from_json(g.get("sampler", doc.get("sampler")))
+    except (SamplerError, TypeError) as exc:
+        raise UserError(f"generation {g.get('id')!r}: sampler: {exc}") from None
 
 
 def parting_cell(p) -> str:
@@ -181,13 +192,17 @@ def section(doc: dict, figure: str | None, source: str) -> str:
     if ref:
         rows.append(["Reference", f"`{ref.get('file')}` (matched by {ref.get('matched_by')}): {ref.get('parted')} part, "
                                   f"{ref.get('speculation_changed')} where speculation changed a greedy output"])
+    samplers = [judged_sampler(doc, g) for g in doc["generations"]]
+    named = not all(sm.greedy for sm in samplers)  # then each line names what it was judged under
     head = ["generation", "tokens", "exact", "first divergence", "margin", "gap", "tolerance", "class"]
     gen_rows = []
-    for g in doc["generations"]:
+    for g, sampler in zip(doc["generations"], samplers):
         d = g["first_divergence"]
-        gen_rows.append([f"`{g['id']}`", g["output_tokens"], "yes" if g["exact"] else "**NO**", divergence_cell(d),
-                         num(d and d.get("margin")), num(d and d.get("gap")), num(d and d.get("tolerance")),
-                         d["class"] if d else "—"] + ([parting_cell(g.get("reference"))] if ref else []))
+        gen_rows.append([f"`{g['id']}`", g["output_tokens"], "yes" if g["exact"] else "**NO**",
+                         divergence_cell(d, not sampler.greedy), num(d and d.get("margin")), num(d and d.get("gap")),
+                         num(d and d.get("tolerance")), d["class"] if d else "—"]
+                        + ([f"`{sampler.describe()}`"] if named else [])
+                        + ([parting_cell(g.get("reference"))] if ref else []))
     parts = ["## Token audit", table(["", ""], rows)]
     if figure:
         parts.append(f"![Divergences]({figure})")
@@ -196,7 +211,7 @@ def section(doc: dict, figure: str | None, source: str) -> str:
     parts += ["A divergence is a near-tie when the pristine logit of the greedy token exceeds the emitted "
               "token's by at most the tolerance (the order of the arithmetic alone can flip it); above it, or a "
               "wrong stop, it is real. Margin: greedy top-1 − top-2 logit; gap: greedy − emitted logit.",
-              table(head + (["vs reference"] if ref else []), gen_rows)]
+              table(head + (["sampler"] if named else []) + (["vs reference"] if ref else []), gen_rows)]
     return "\n\n".join(parts)
 
 

@@ -1,7 +1,7 @@
 """`audit tokens --sampling SPEC`: outputs that claim a seeded sampler are judged against serial
 decoding under it (CPU, tiny). Serial's sampled tokens pass; the same tokens judged greedy, or
-under another seed, fail at their first wrong position; a line that records its sampler must be
-audited with that one."""
+under another seed, fail at their first wrong position; a line that records its sampler is judged
+under it, and an explicit --sampling that says otherwise is refused."""
 from __future__ import annotations
 
 import json
@@ -81,19 +81,45 @@ def test_the_same_tokens_fail_greedy_or_with_another_seed(outputs, tmp_path, ser
         assert d["class"] == "real"
 
 
-def test_a_line_that_records_its_sampler_must_be_audited_with_it(outputs, tmp_path):
+def test_a_line_that_records_its_sampler_is_judged_under_it_and_another_claim_is_refused(outputs, tmp_path):
     path = tmp_path / "record.jsonl"
     sampler = Sampler.parse(SPEC)
     for i, (ids, toks) in enumerate(outputs):
         append_record(path, generation_record(f"r{i}", ids, toks, N, "serial", "tiny", sampler))
     assert json.loads(path.read_text().splitlines()[0])["sampler"] == sampler.to_json()
-    res, doc = audit(path, "--sampling", SPEC)
-    assert res.exit_code == 0 and doc["verdict"] == "exact", res.output
-    for args in ((), ("--sampling", "temperature=0.6,top_k=20,top_p=0.95,seed=6")):
+    for args in (("--sampling", SPEC), ()):
         res, doc = audit(path, *args)
+        assert res.exit_code == 0 and doc["verdict"] == "exact", res.output
+        assert all(g["sampler"] == sampler.to_json() for g in doc["generations"])
+    for other in ("temperature=0.6,top_k=20,top_p=0.95,seed=6", "greedy"):
+        res, doc = audit(path, "--sampling", other)
         assert res.exit_code == 2 and doc is None
         lines = [line for line in res.output.splitlines() if line.strip()]
         assert lines[-1].startswith("error:") and "records the sampler" in lines[-1], res.output
+        assert "leave --sampling out" in lines[-1]
+
+
+def test_greedy_and_sampled_lines_of_one_record_file_are_each_judged_under_their_own(outputs, serial, tmp_path):
+    """What ``harness generate --record`` leaves after a greedy and a sampled run: one command audits
+    both, a greedy line is never judged as a sample; a wrong token is reported against the pick."""
+    path = tmp_path / "answers.jsonl"
+    (ids, sampled), _ = outputs
+    greedy = serial.decode(ids, N).tokens
+    append_record(path, generation_record("greedy", ids, greedy, N, "serial", "tiny"))
+    append_record(path, generation_record("sampled", ids, sampled, N, "serial", "tiny", Sampler.parse(SPEC)))
+    assert json.loads(path.read_text().splitlines()[0])["sampler"]["temperature"] == 0
+    res, doc = audit(path)
+    assert res.exit_code == 0 and doc["verdict"] == "exact", res.output
+    assert [Sampler.from_json(g["sampler"]).greedy for g in doc["generations"]] == [True, False]
+    header = next(line for line in res.output.splitlines() if line.startswith("id "))
+    assert header.split()[-1] == "sampler", res.output  # mixed samplers: each line names its own
+    wrong = sampled[:3] + [(sampled[3] + 1) % 100] + sampled[4:]
+    append_record(path, generation_record("wrong", ids, wrong, N, "serial", "tiny", Sampler.parse(SPEC)))
+    res, doc = audit(path)
+    assert res.exit_code == 1, res.output
+    assert doc["generations"][2]["first_divergence"]["position"] == 3
+    assert [g["exact"] for g in doc["generations"]] == [True, True, False]
+    assert any("vs pick" in line for line in res.output.splitlines()), res.output
 
 
 @pytest.mark.parametrize("spec", ["temperature=-0.1", "bogus", "top_k=1.5"])

@@ -1,9 +1,11 @@
 """`heads` at the command line: click options with help and defaults, --version, bad input as
-one `error:` line before anything loads, and Ctrl-C as one line and exit 130, with no partial
-head directory left behind."""
+one `error:` line before anything loads (an --out that is the model's own directory, or that
+cannot really be written, included), a write that fails at the end as one line and exit 2, and
+Ctrl-C as one line and exit 130, with no partial head directory or stray directory left behind."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 import core.models
 from heads import cli
 from heads import train as T
-from heads.run import EXIT_INTERRUPTED
+from heads.run import EXIT_INTERRUPTED, model_dir_of
 
 ARGS = ["--model", "tiny", "--prompts", "dev", "-n", "4", "--device", "cpu"]
 
@@ -126,8 +128,6 @@ def test_ctrl_c_while_saving_leaves_no_partial_head(stage, tmp_path, capsys, mon
         real = T._json_text
         monkeypatch.setattr(T, "_json_text", lambda obj: real(obj) if "size" in obj else _raise())
     else:
-        from pathlib import Path
-
         real_replace = Path.replace
 
         def replace(self, target):  # the head file is the last rename: interrupt it
@@ -157,3 +157,190 @@ def test_save_head_round_trip_leaves_only_its_files(tmp_path):
     T.save_head(tmp_path, res["state"], res["shortlist"], res["report"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([T.HEAD_FILE, T.SHORTLIST_FILE, T.REPORT_FILE])
     assert json.loads((tmp_path / T.REPORT_FILE).read_text())["selected_step"] == 1
+
+
+# --------------------------------------------------------------------------- --out refused before training
+
+def _no_training(monkeypatch):
+    """The refusals below come before the model loads: fail loudly (and write nothing) if not."""
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(core.models, "load_model", no_load)
+    monkeypatch.setattr(T, "train_head", no_load)
+
+
+def _tree(path: Path) -> dict:
+    return {p.relative_to(path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+@pytest.mark.parametrize("spelling", ["fixtures/{m}", "fixtures/{m}/", "./fixtures/{m}", "fixtures/../fixtures/{m}",
+                                      "ABS", "ABS/", "LINK"])
+def test_out_that_is_a_builtin_models_own_directory_is_refused(model, spelling, tmp_path, capsys, monkeypatch):
+    _no_training(monkeypatch)
+    model_dir = core.models.COMMITTED[model]
+    monkeypatch.chdir(model_dir.parent.parent)  # the repository root, where fixtures/ is
+    if spelling == "LINK":
+        out = tmp_path / "link"
+        out.symlink_to(model_dir, target_is_directory=True)
+        out = str(out)
+    else:
+        out = spelling.replace("ABS", str(model_dir)).format(m=model)
+    before = _tree(model_dir)
+    assert cli.main(["train", "--model", model, "--prompts", "dev", "--device", "cpu", "--out", out]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: --out ") and "checkpoint directory" in lines[0]
+    assert _tree(model_dir) == before
+    assert not any((model_dir / n).exists() for n in (T.HEAD_FILE, T.SHORTLIST_FILE, T.REPORT_FILE))
+
+
+def test_out_that_is_a_model_directory_given_by_path_is_refused(capsys, monkeypatch):
+    _no_training(monkeypatch)
+    tiny = core.models.TINY_DIR
+    monkeypatch.chdir(tiny.parent.parent)
+    before = _tree(tiny)
+    assert cli.main(["train", "--model", str(tiny), "--prompts", "dev", "--device", "cpu",
+                     "--out", "./fixtures/tiny/"]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and "checkpoint directory" in lines[0]
+    assert _tree(tiny) == before
+
+
+def test_model_dir_of_builtins():
+    assert model_dir_of("tiny") == core.models.TINY_DIR and model_dir_of("small") == core.models.SMALL_DIR
+    assert model_dir_of("synthetic-9b") is None  # built on the GPU, never on disk: nothing to refuse
+    assert model_dir_of("some/dir") == Path("some/dir")
+
+
+@pytest.mark.parametrize("below", [("sub",), ("sub", "deeper")])
+def test_out_below_a_file_is_refused_before_training(below, tmp_path, capsys, monkeypatch):
+    """A path under a regular file cannot be made even by root (ENOTDIR)."""
+    _no_training(monkeypatch)
+    (tmp_path / "afile").write_text("the user's")
+    out = tmp_path.joinpath("afile", *below)
+    assert cli.main(["train", *ARGS, "--out", str(out)]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: --out ") and "not writable" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert (tmp_path / "afile").read_text() == "the user's"
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir() or Path("/sys/h").exists(), reason="needs Linux sysfs")
+def test_out_on_sysfs_is_refused_before_training(capsys, monkeypatch):
+    """os.access says yes to root here; the probe does not."""
+    _no_training(monkeypatch)
+    assert cli.main(["train", *ARGS, "--out", "/sys/h"]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: --out '/sys/h' is not writable")
+    assert not Path("/sys/h").exists()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_unwritable_out_leaves_no_directory_and_keeps_the_users(existing, tmp_path, capsys, monkeypatch):
+    """A directory that refuses new files (read-only mount, as root too), simulated: the probe's
+    file cannot be made. Directories made for the probe go again; one the user had stays, with its files."""
+    import heads.run
+
+    _no_training(monkeypatch)
+
+    def refused(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(heads.run.tempfile, "mkstemp", refused)
+    if existing:
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "notes.txt").write_text("the user's")
+    else:
+        out = tmp_path / "new" / "deep"
+    assert cli.main(["train", *ARGS, "--out", str(out)]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0] == f"error: --out {str(out)!r} is not writable: Permission denied"
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    else:
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_leaves_nothing_behind(tmp_path):
+    from heads.run import probe_writable
+
+    probe_writable(tmp_path)
+    probe_writable(tmp_path / "to" / "be" / "made")
+    probe_writable(tmp_path / "x" / ".." / "y")  # "x/.." exists once x is made
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_not_saved_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    def not_better(model, prompts, cfg):
+        return {**_fake_result(model), "improved": False}
+
+    monkeypatch.setattr(T, "train_head", not_better)
+    monkeypatch.setattr(T, "summary_lines", lambda report: [])
+    out = tmp_path / "o"
+    assert cli.main(["train", *ARGS, "--out", str(out)]) == 1
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- a failed write at the end
+
+def _fail_head(monkeypatch, exc):
+    def failing(tensors, path, metadata=None):
+        raise exc
+    monkeypatch.setattr(T, "save_file", failing)
+
+
+def _fail_report(monkeypatch, exc):
+    real = Path.write_text
+
+    def write_text(self, *a, **k):
+        if self.name.startswith(f".{T.REPORT_FILE}"):
+            raise exc
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+def _fail_head_rename(monkeypatch, exc):  # the shortlist and report are already in place
+    real = Path.replace
+
+    def replace(self, target):
+        if Path(target).name == T.HEAD_FILE:
+            raise exc
+        return real(self, target)
+    monkeypatch.setattr(Path, "replace", replace)
+
+
+@pytest.mark.parametrize("fail", [_fail_head, _fail_report, _fail_head_rename])
+@pytest.mark.parametrize("exc, words", [(OSError(28, "No space left on device"), "No space left on device"),
+                                        (PermissionError(13, "Permission denied"), "Permission denied")])
+@pytest.mark.parametrize("existing", [False, True])
+def test_failed_write_is_one_line_exit_2_and_leaves_nothing(fail, exc, words, existing, tmp_path, capsys,
+                                                            monkeypatch):
+    monkeypatch.setattr(T, "train_head", lambda model, prompts, cfg: _fake_result(model))
+    monkeypatch.setattr(T, "summary_lines", lambda report: [])
+    out = tmp_path / "o" / "head"
+    if existing:
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("the user's")
+    fail(monkeypatch, exc)
+    assert cli.main(["train", *ARGS, "--out", str(out)]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0] == f"error: cannot write the head to {out}: {words}; nothing was saved"
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    else:
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_write_error_is_one_line(tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    monkeypatch.setattr(T, "train_head", lambda model, prompts, cfg: _fake_result(model))
+    monkeypatch.setattr(T, "summary_lines", lambda report: [])
+    _fail_head(monkeypatch, SafetensorError("Error while serializing: I/O error: Read-only file system (os error 30)"))
+    out = tmp_path / "o"
+    assert cli.main(["train", *ARGS, "--out", str(out)]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write the head to ") and "Read-only" in lines[0]
+    assert not out.exists()

@@ -9,6 +9,7 @@ import pytest
 
 from core.errors import UserError
 from core.records import append_record, check_record_path, generation_record
+from core.sampling import GREEDY, Sampler
 
 
 def test_appends_one_line_per_record(tmp_path):
@@ -19,7 +20,7 @@ def test_appends_one_line_per_record(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"id": "old"},
                      {"id": "a", "prompt_token_ids": [1, 2], "output_token_ids": [3], "max_new_tokens": 4,
-                      "decoder": "spec", "model": "tiny"},
+                      "decoder": "spec", "model": "tiny", "sampler": GREEDY.to_json()},
                      {"id": "b", "text": "é\n"}]
 
 
@@ -64,3 +65,21 @@ def test_unwritable_directory_is_refused(tmp_path):
             check_record_path(locked / "r.jsonl")
     finally:
         locked.chmod(0o700)
+
+
+def test_every_record_names_its_sampler_and_a_greedy_one_is_greedy_whatever_its_seed():
+    assert generation_record("a", [1], [2], 3, "spec", "tiny", Sampler(seed=7))["sampler"] == GREEDY.to_json()
+    sampled = Sampler(temperature=0.6, top_k=20, seed=7)
+    assert generation_record("a", [1], [2], 3, "spec", "tiny", sampled)["sampler"] == sampled.to_json()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_a_directory_that_refuses_new_files_is_refused_before_any_work_even_as_root():
+    """Tried, not asked of os.access, which says yes to root where no file can be made."""
+    with pytest.raises(UserError, match="is not writable"):
+        check_record_path("/proc/qwen-exact-record-probe.jsonl")
+
+
+def test_the_writability_probe_leaves_nothing_behind(tmp_path):
+    assert check_record_path(tmp_path / "r.jsonl") == tmp_path / "r.jsonl"
+    assert list(tmp_path.iterdir()) == []

@@ -41,11 +41,12 @@ class TrackingWorker(DecodeWorker):
 
 
 class RefusingFake(FakeDecoder):
-    """A role named "bad" is refused by the chat template; the prompt [99] makes the decoder fail."""
+    """A message whose content is "<bad>" is refused by the chat template; the prompt [99] makes the
+    decoder fail."""
 
     def encode_chat(self, messages):
-        if any(m["role"] == "bad" for m in messages):
-            raise UserError("cannot apply the chat template: role 'bad'")
+        if any(m["content"] == "<bad>" for m in messages):
+            raise UserError("cannot apply the chat template: content '<bad>'")
         return super().encode_chat(messages)
 
     def generate(self, prompt, *args, **kwargs):
@@ -167,10 +168,21 @@ BAD = [
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools are not supported"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "only plain text"),
     (CHAT, {"messages": USER, "max_tokens": 2, "max_completion_tokens": 3}, "differ"),
-    (CHAT, {"messages": [{"role": "user"}]}, None),  # content absent: accepted as empty
+    (CHAT, {"messages": [{"role": "user"}]}, "messages.0.content: required"),
+    (CHAT, {"messages": [{"role": "system"}, *USER]}, "messages.0.content: required"),
+    (CHAT, {"messages": [*USER, {"role": "assistant"}]}, "messages.1.content: required"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": []}]}, "content is an empty list of parts"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "text only"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    (CHAT, {"messages": [{"role": "bad", "content": "x"}]}, "cannot apply the chat template"),
+    (CHAT, {"messages": [{"content": "x"}]}, "messages.0.role: required"),
+    (CHAT, {"messages": [{"role": "bogus", "content": "hi"}]}, "role 'bogus' is not supported"),
+    (CHAT, {"messages": [{"role": "User", "content": "hi"}]}, "role 'User' is not supported"),
+    (CHAT, {"messages": [{"role": "developer", "content": "x"}, *USER]}, "send these instructions as a 'system'"),
+    (CHAT, {"messages": [*USER, {"role": "tool", "content": "x"}]}, "messages[1]: role 'tool' is not supported"),
+    (CHAT, {"messages": [*USER, {"role": "function", "content": "x", "name": "f"}]}, "not supported"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": []}]}, "tool_calls"),
+    (CHAT, {"messages": [{"role": "user", "content": "<bad>"}]}, "cannot apply the chat template"),
 ]
 
 
@@ -186,6 +198,39 @@ def test_what_the_server_cannot_honour_is_a_clear_400(served, path, body, says):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and says in err["message"], err
+
+
+@pytest.mark.parametrize("messages,says", [
+    ([{"role": "user"}], "invalid request: messages.0.content: required"),
+    ([{"role": "bogus", "content": "hi"}], "messages[0]: role 'bogus' is not supported: the role must be one of "
+                                           "'system', 'user', 'assistant'"),
+    ([], "messages is empty"),
+], ids=["no-content", "unknown-role", "no-messages"])
+def test_a_chat_message_the_template_cannot_take_is_400_in_openai_shape(served, messages, says):
+    server, fake, *_ = served
+    calls = len(fake.calls)
+    r = httpx.post(server.url + CHAT, json={"messages": messages, "max_tokens": 2}, timeout=BOUND)
+    assert r.status_code == 400, r.text
+    # a missing field is pydantic's (no param), what the server cannot honour names its field
+    param = None if "required" in says else "messages"
+    assert r.json() == {"error": {"message": says, "type": "invalid_request_error", "param": param, "code": None}}
+    assert len(fake.calls) == calls  # nothing was decoded
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}],
+    [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "terse."}]},
+     {"role": "user", "content": "Name a prime.", "name": "ann"},
+     {"role": "assistant", "content": "2"}, {"role": "user", "content": ""}],
+], ids=["system-user", "parts-name-assistant-empty"])
+def test_a_system_user_assistant_conversation_is_answered(client, served, messages):
+    _, fake, *_ = served
+    r = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=3)
+    templated = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                  "".join(p["text"] for p in m["content"])} for m in messages]
+    ids = fake.encode_chat(templated)
+    assert r.prompt_token_ids == ids and r.choices[0].token_ids == fake.answer(ids, 3)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
 
 
 def test_the_openai_client_gets_bad_request_for_sampling(client):

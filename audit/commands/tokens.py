@@ -32,12 +32,13 @@ from audit.commands.common import check_device_option, parse_sampling, run_comma
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="N, where serial decoding stops without an EOS. Default: the longest output in FILE.")
 @click.option("--sampling", default=None, metavar="SPEC",
-              help="The seeded sampler FILE's outputs claim (core.sampling): greedy (the default), a preset "
-                   "(qwen-thinking, qwen-instruct) or key=value items (temperature, top_k, top_p, min_p, seed), "
-                   "e.g. qwen-thinking,seed=7. Each token must then be the sampler's pick at its absolute "
-                   "position (prompt length + index). A line that records its own sampler must match it.")
+              help="The seeded sampler claimed by FILE's lines that record none (core.sampling): greedy (the "
+                   "default), a preset (qwen-thinking, qwen-instruct) or key=value items (temperature, top_k, "
+                   "top_p, min_p, seed), e.g. qwen-thinking,seed=7. Each token must then be the sampler's pick at "
+                   "its absolute position (prompt length + index). A line that records its own sampler (harness "
+                   "generate/serve --record) is judged under it; given --sampling, it must match.")
 def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit, max_new_tokens, sampling):
-    """Check FILE's outputs (a jsonl of generations) against serial decoding, greedy or under --sampling.
+    """Check FILE's outputs (a jsonl of generations) against serial decoding, greedy or under their sampler.
 
     \b
     One generation per line, in any of these shapes:
@@ -46,7 +47,7 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
       {"sequences": [[prompt + output ids]], "prompt_length": P}          (generate; or prompt_token_ids)
 
     Each output is replayed through the audit's pristine serial path: its first divergence (position,
-    emitted vs greedy token, top-5 logits, margin) and whether it stops where greedy stops. A divergence
+    emitted vs the control's token, top-5 logits, margin) and whether it stops where greedy stops. A divergence
     within the tie margin is a near-tie (arithmetic order can flip it); above it, or a wrong stop, it is
     real. Writes audit_tokens.json and prints a table. Exit 0 all exact, 1 any divergence, 2 bad input.
     """
@@ -56,7 +57,7 @@ def tokens_cmd(file, model_spec, device, out_path, tie_margin, reference, limit,
     def audit_tokens() -> int:
         opts = TokensOptions(file=file, model=model_spec, device=device, out=out_path, tie_margin=tie_margin,
                              reference=reference, limit=limit, max_new_tokens=max_new_tokens,
-                             sampler=parse_sampling(sampling))
+                             sampler=parse_sampling(sampling) if sampling is not None else None)
         check_device_option(device)
         return run_tokens_audit(opts, log=log)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from core.continues import ContinueCounter
 
 from audit import checks
-from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, choose_device, file_findings, load_replay_model,
+from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, check_writable, choose_device, file_findings, load_replay_model,
                             log, model_spec_from_header, pin_replay_environment, replay_device_json)
 from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.pool import PoolOptions, replay_walker
@@ -85,6 +85,7 @@ def retime(opts: RetimeOptions) -> int:
     pin_replay_environment()
     path = resolve_stream_path(opts.stream)
     out_path = check_out_path(opts.out or path.parent / "retime.json", path)
+    check_writable(out_path)  # before the workers start: a retime takes minutes
     run = load_run(path)  # a malformed stream is bad input, as for audit replay
     sides = recorded_sides(run.header, opts.trust_plugin)
     # drawn here and shown only once every leg ran: a decoder could read the stream file, a seed

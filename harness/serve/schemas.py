@@ -38,9 +38,13 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
+    """One chat message. ``content`` is required for every role: without ``tool_calls`` (tools are
+    not supported) OpenAI requires it of an assistant message too. ``role`` is checked by
+    ``chat_messages`` against ``ROLES``."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
     name: str | None = None
 
 
@@ -188,20 +192,37 @@ def completion_prompt(body: CompletionBody, limits: Limits) -> str | list[int]:
     return prompt
 
 
+# the roles the chat template is given as they are (ChatML and Qwen's templates know these three)
+ROLES = ("system", "user", "assistant")
+# OpenAI's other roles, and why this server refuses them rather than render or drop them
+OTHER_ROLES = {
+    "developer": "the chat template has no developer role: send these instructions as a 'system' message",
+    "tool": "tool messages are not supported (tools are not supported)",
+    "function": "function messages are not supported (tools are not supported)",
+}
+
+
 def chat_messages(body: ChatBody) -> list[dict]:
-    """The messages as plain dicts for the chat template; text parts joined, other parts refused."""
+    """The messages as plain dicts for the chat template: roles system, user and assistant only,
+    text parts joined, other parts refused."""
     if not body.messages:
         raise BadRequest("messages is empty", "messages")
     out = []
     for i, m in enumerate(body.messages):
+        if m.role not in ROLES:
+            why = OTHER_ROLES.get(m.role, f"the role must be one of {', '.join(map(repr, ROLES))}")
+            raise BadRequest(f"messages[{i}]: role {m.role!r} is not supported: {why}", "messages")
         content = m.content
         if isinstance(content, list):
+            if not content:
+                raise BadRequest(f"messages[{i}]: content is an empty list of parts (give at least one "
+                                 "text part, or a string)", "messages")
             kinds = {p.type for p in content} - {"text"}
             if kinds:
                 raise BadRequest(f"messages[{i}]: content parts of type {sorted(kinds)} are not supported "
                                  "(text only)", "messages")
             content = "".join(p.text for p in content)
-        out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+        out.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
     return out
 
 
