@@ -192,7 +192,8 @@ SAMPLED = ("--temperature", "0.6", "--top-k", "20", "--top-p", "0.95", "--seed",
 def test_sampled_generation_is_serial_sampling_and_its_record_passes_audit_tokens(tiny, tmp_path):
     """--temperature/--top-k/--top-p/--seed (or --sampling) decode with that seeded sampler: the
     tokens are serial's under it, --json and --record carry it, and `audit tokens --sampling`
-    passes the record (greedy, it fails)."""
+    passes the record, as it does with no --sampling (each line under its own); --sampling greedy is
+    refused."""
     from core.sampling import Sampler
 
     sampler = Sampler(temperature=0.6, top_k=20, top_p=0.95, seed=5)
@@ -214,7 +215,9 @@ def test_sampled_generation_is_serial_sampling_and_its_record_passes_audit_token
     base = ["tokens", str(record), "--model", "tiny", "--device", "cpu", "--out", str(out)]
     res = CliRunner().invoke(audit_main, [*base, "--sampling", sampler.describe()])
     assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(audit_main, base)  # the record claims the sampler: greedy is refused
+    res = CliRunner().invoke(audit_main, base)  # each line is judged under the sampler it records
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(audit_main, [*base, "--sampling", "greedy"])  # a claim the lines do not make
     assert res.exit_code == 2 and "records the sampler" in res.output
 
 
@@ -231,6 +234,9 @@ def test_preset_with_overrides(tiny):
     (("--top-p", "0", "--temperature", "1"), "top_p must be"),
     (("--sampling", "qwen-nonsense"), "unknown sampler preset"),
     (("--seed", "-4", "--temperature", "1"), "seed must be"),
+    (("--top-k", "5"), "top_k=5 has no effect at temperature 0"),
+    (("--sampling", "top_p=0.5"), "top_p=0.5 has no effect at temperature 0"),
+    (("--sampling", "qwen-thinking", "--temperature", "0"), "has no effect at temperature 0"),
 ])
 def test_bad_sampling_is_one_line_before_the_load(no_model_load, args, message):
     res = invoke("x", "--model", "tiny", *args)

@@ -343,6 +343,12 @@ def test_bad_input_exits_2_and_writes_nothing(fast_serial_stream, tmp_path):
     assert result.exit_code == 2 and "is a directory" in result.stderr and list(outdir.iterdir()) == []
     result, doc = run_retime(tmp_path / "missing.jsonl")
     assert result.exit_code == 2 and doc is None and result.stderr.startswith("error:")
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for unwritable in (blocker / "retime.json", "/proc/qwen-exact-retime.json"):
+        result, _ = run_retime(fast_serial_stream, "--out", str(unwritable))  # refused before any worker starts
+        assert result.exit_code == 2 and "cannot write" in result.stderr, result.output
+        assert "worker" not in result.output and "retim" not in result.stderr.split("error:")[0]
 
 
 def test_recorded_sides_and_their_arguments():

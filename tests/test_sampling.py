@@ -214,3 +214,10 @@ def test_bad_descriptions_are_sampler_errors(text):
 def test_bad_json_is_a_sampler_error(doc):
     with pytest.raises(SamplerError):
         Sampler.from_json(doc)
+
+
+@pytest.mark.parametrize("text", ["top_k=5", "top_p=0.5,seed=3", "min_p=0.1", "qwen-thinking,temperature=0"])
+def test_a_filter_at_temperature_0_is_refused_not_ignored(text):
+    with pytest.raises(SamplerError, match="has no effect at temperature 0"):
+        Sampler.parse(text)
+    assert Sampler.parse("greedy,seed=3").greedy  # a seed alone is harmless
