@@ -133,6 +133,64 @@ def class_split(per_call):
     return {k: {"count": v[0], "us": v[1]} for k, v in out.items()}
 
 
+def enclosing(frames, times) -> list[tuple[str, ...]]:
+    """For each time in ``times``, the names of the frames (start, end, name) that enclose it,
+    outermost first: a sweep over both in time order (the frames nest, as calls do)."""
+    frames = sorted(frames)
+    order = sorted(range(len(times)), key=lambda k: times[k])
+    out: list[tuple[str, ...]] = [()] * len(times)
+    active, i = [], 0
+    for k in order:
+        t = times[k]
+        while i < len(frames) and frames[i][0] <= t:
+            active.append(frames[i])
+            i += 1
+        active = [f for f in active if f[1] >= t]
+        out[k] = tuple(f[2] for f in active)
+    return out
+
+
+def waits_by_place(gaps, launches, frames, depth: int = 3) -> list[tuple[str, int, float]]:
+    """Where the GPU waited on the host. ``gaps``: (idle start, idle us, correlation id of the
+    work that ended it); ``launches``: correlation id -> the host's launch time; ``frames``: the
+    project's Python frames (start, end, name). A gap whose work was launched after the GPU went
+    idle is charged to the innermost ``depth`` project frames around that launch; one launched
+    before is the GPU's own ("queued"). Returns (place, gaps, us), largest first."""
+    late = [(g, launches[c]) for g in gaps for c in [g[2]] if c in launches and launches[c] > g[0]]
+    places = enclosing(frames, [t for _, t in late])
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for (g, _), chain in zip(late, places):
+        key = " > ".join(chain[-depth:]) or "(no project frame)"
+        totals[key][0] += 1
+        totals[key][1] += g[1]
+    queued = [g for g in gaps if not (g[2] in launches and launches[g[2]] > g[0])]
+    totals["queued before the GPU went idle"] = [len(queued), sum(g[1] for g in queued)]
+    return sorted(((k, n, us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
+
+
+def trace_decode(decode, min_gap_us: float = 10.0) -> list[tuple[str, int, float]]:
+    """One decode under the profiler with Python frames: its GPU idle gaps of at least
+    ``min_gap_us``, charged by ``waits_by_place``."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        decode()
+        sync()
+    events = prof.profiler.kineto_results.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    gpu = sorted((e.start_ns() / 1e3, e.end_ns() / 1e3, e.correlation_id()) for e in events if e.device_type() == cuda)
+    launches = {e.correlation_id(): e.start_ns() / 1e3 for e in events
+                if e.device_type() != cuda and e.name().startswith("cu") and e.correlation_id()}
+    # the tracer names a frame "package/module.py(line): function", relative to its import root
+    ours = {p.name for p in Path(__file__).resolve().parent.parent.iterdir() if p.is_dir()}
+    frames = [(e.start_ns() / 1e3, e.end_ns() / 1e3, e.name()) for e in events
+              if e.is_python_function() and e.name().split("/", 1)[0] in ours]
+    gaps, end = [], None
+    for a, b, corr in gpu:
+        if end is not None and a - end >= min_gap_us:
+            gaps.append((end, a - end, corr))
+        end = b if end is None else max(end, b)
+    return waits_by_place(gaps, launches, frames)
+
+
 @torch.inference_mode()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -143,6 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--decode", type=int, default=128,
                     help="tokens of one instrument decode at alpha 0.6 profiled whole (0: none): the rounds' gaps")
+    ap.add_argument("--trace-tokens", type=int, default=32,
+                    help="tokens of a further instrument decode profiled with Python frames, to say where the GPU "
+                         "waits on the host (0: none)")
     ap.add_argument("--shortlist", default="bench/synthetic9b-shortlist-32k.json",
                     help="the instrument's draft shortlist (the benchmarks' own)")
     ap.add_argument("--lanes", default="1,auto",
@@ -242,6 +303,13 @@ def main(argv=None) -> int:
             print(f"   {cls:12s} {v['count']:7.1f} kernels {v['us'] / 1e3:8.3f} ms")
         for n, c, us in r["top"][:15]:
             print(f"   {us:9.1f} us {c:6.1f}x  {n}")
+    if args.decode and args.trace_tokens:
+        places = trace_decode(lambda: inst.decode(prompt, args.trace_tokens))
+        results["decode waits"] = [{"place": k, "gaps": n, "us": us} for k, n, us in places]
+        print(f"\n== where a {args.trace_tokens}-token instrument decode's GPU waits (idle gaps >= 10 us, "
+              "charged to the project frames that launched the work ending each)")
+        for k, n, us in places[:15]:
+            print(f"   {us / 1e3:8.3f} ms {n:6d} gaps  {k}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("\n| op | wall ms | host ms | busy ms | kernel ms | kernels | gemm ms | reduce ms | elementwise ms | "

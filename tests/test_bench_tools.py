@@ -112,3 +112,19 @@ def test_gemm_stack_probe_tries_every_run_of_neighbouring_projections():
     assert probe.stacks(probe.MLP) == [("gate_proj", "up_proj")]
     assert probe.stacks(probe.ATTENTION) == [("q_proj", "k_proj"), ("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj")]
     assert len(probe.stacks(probe.GDN)) == 6 and ("in_proj_b", "in_proj_a") in probe.stacks(probe.GDN)
+
+
+def test_the_decode_trace_charges_each_late_launch_to_the_frames_around_it():
+    prof = load("profile_runtime")
+    frames = [(0, 100, "spec.py: decode"), (10, 40, "spec.py: _spec_round"), (12, 20, "runtime.py: verify"),
+              (50, 90, "spec.py: _draft")]
+    assert prof.enclosing(frames, [15, 45, 60, 200]) == [
+        ("spec.py: decode", "spec.py: _spec_round", "runtime.py: verify"), ("spec.py: decode",),
+        ("spec.py: decode", "spec.py: _draft"), ()]
+    # gaps: (idle from, us, correlation); launches: correlation -> host launch time
+    gaps = [(14, 30.0, 1), (55, 12.0, 2), (70, 50.0, 3)]
+    launches = {1: 16, 2: 60, 3: 5}  # the third was queued long before the GPU went idle
+    rows = prof.waits_by_place(gaps, launches, frames, depth=2)
+    assert rows == [("queued before the GPU went idle", 1, 50.0),
+                    ("spec.py: _spec_round > runtime.py: verify", 1, 30.0),
+                    ("spec.py: decode > spec.py: _draft", 1, 12.0)]
