@@ -4,7 +4,8 @@
 generations (heads/train.py) and saves it as a head directory (heads/__init__.py).
 
 Exit codes: 0 head saved; 1 not saved because it is not better than the starting head on held-out
-mean accepted length (pass --force-save to save it anyway); 2 bad input (one ``error:`` line);
+mean accepted length (pass --force-save to save it anyway); 2 bad input, an --out that cannot be
+written (found before training) or a save that failed (one ``error:`` line, nothing left behind);
 130 interrupted (Ctrl-C; one line saying what was written). Progress goes to stderr (a bar with
 an ETA on a terminal); the before/after summary to stdout.
 """
@@ -82,7 +83,8 @@ def train_cmd(model, prompts, out, device, force_save, gen_dtype, **settings):
 
     \b
     Exit codes: 0 head saved; 1 not saved (not better; pass --force-save);
-    2 bad input (one `error:` line); 130 interrupted (Ctrl-C).
+    2 bad input, an unwritable --out or a failed save (one `error:` line);
+    130 interrupted (Ctrl-C).
     """
     return run_train(TrainRequest(model=model, prompts=prompts, out=out, device=device, force_save=force_save,
                                   gen_dtype=gen_dtype, settings=tuple(sorted(settings.items()))))
