@@ -130,10 +130,13 @@ def file_findings(run, model) -> tuple[list[dict], list[dict]]:
     return findings, model_findings
 
 
-def check_out_path(out_path: Path, stream: Path) -> Path:
-    """Where audit.json goes, refused before any work when it names a directory or the stream."""
+def check_out_path(out_path: Path, stream: Path, name: str = "audit.json") -> Path:
+    """Where the document (``name`` by default) goes, refused before any work when it names a
+    directory, the stream, or ``-`` (this document goes to a file, never to stdout)."""
+    if str(out_path) == "-":
+        raise BadInput(f"--out -: the {name} document is written to a file; name one (e.g. {name})")
     if out_path.is_dir():
-        raise BadInput(f"--out {out_path} is a directory; name the file to write (e.g. {out_path / 'audit.json'})")
+        raise BadInput(f"--out {out_path} is a directory; name the file to write (e.g. {out_path / name})")
     if out_path.resolve() == stream.resolve():
         raise BadInput(f"--out {out_path} is the stream itself")
     return out_path

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from core.errors import UserError
+from core.prompts import is_unicode
 from core.sampling import Sampler, SamplerError
 from decoders.base import reserve_positions
 
@@ -184,6 +185,9 @@ class ExactDecoder:
         """Plain text to ids, no template (as `audit tokens` encodes a text prompt)."""
         if not isinstance(text, str):
             raise UserError(f"prompt text must be a string, not {type(text).__name__}")
+        if not is_unicode(text):
+            raise UserError("the prompt is not valid Unicode text (it holds a lone surrogate, e.g. from "
+                            "bytes that are not UTF-8): no tokenizer takes it")
         return list(self.tokenizer().encode(text))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -193,6 +197,9 @@ class ExactDecoder:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise UserError("chat messages must be a non-empty list of {'role': str, 'content': str}")
+        if not all(is_unicode(m["content"]) and is_unicode(m["role"]) for m in messages):
+            raise UserError("a chat message is not valid Unicode text (it holds a lone surrogate): "
+                            "no tokenizer takes it")
         tok = self.tokenizer()
         template = None if getattr(tok, "chat_template", None) else CHATML_TEMPLATE
         try:

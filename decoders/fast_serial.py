@@ -24,7 +24,11 @@ class FastSerialDecoder:
     sampling = True
 
     def __init__(self, capacity: int | None = None, stack_gate_up: bool = True):
-        self.capacity = capacity
+        if capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
+            raise ValueError(f"capacity must be >= 1 (positions the runtime is sized for), not {capacity}")
+        if not isinstance(stack_gate_up, bool):
+            raise ValueError("stack_gate_up must be true or false")
+        self.capacity = None if capacity is None else int(capacity)
         self.stack_gate_up = stack_gate_up  # False: the MLP's gate and up as two GEMMs (to measure the one)
         self.model = None
         self.runtime = None

@@ -193,6 +193,8 @@ class SpecDecoder:
         if self.explore_every < 1:
             raise ValueError("explore_every must be >= 1")
         self.capacity = int(capacity)
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1 (positions the runtime is sized for), not {capacity}")
         if not isinstance(online_costs, bool):
             raise ValueError("online_costs must be true or false")
         self.online_costs = online_costs

@@ -76,6 +76,11 @@ def read_prompt(opts: GenerateOptions, stdin=None) -> str | list[int]:
         text = opts.prompt
     if not text:
         raise UserError("the prompt is empty")
+    if isinstance(text, str) and not text.isascii():
+        from core.prompts import is_unicode  # imports torch: only for a prompt that needs the check
+
+        if not is_unicode(text):  # argv and stdin carry undecodable bytes as lone surrogates
+            raise UserError("the prompt is not UTF-8 text")
     return text
 
 

@@ -110,6 +110,9 @@ def check_prompt_set(spec: str | None) -> None:
 
     if spec is None or spec in BUILTIN_PROMPTS or parse_corpus_spec(spec) is not None or Path(spec).is_file():
         return
+    if Path(spec).exists():
+        raise UserError(f"prompt file {spec!r} is not a regular file (a jsonl of prompts, or a built-in set: "
+                        f"{', '.join(BUILTIN_PROMPTS)})")
     raise UserError(f"prompt file {spec!r} not found, and {spec!r} is not a built-in prompt set "
                     f"({', '.join(BUILTIN_PROMPTS)}; corpus sets also as NAME:N, e.g. stdlib-train:2048)")
 

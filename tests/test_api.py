@@ -298,3 +298,30 @@ def test_a_sampler_is_refused_where_it_cannot_be_honoured(tiny, opened):
             opened("tiny", "spec").generate([5, 6, 7], 3, sampler=bad)
         with pytest.raises(UserError, match=match):
             open_decoder("tiny", "spec", device="cpu", sampler=bad)
+
+
+@pytest.mark.parametrize("args", [{"capacity": 0}, {"capacity": -5}, {"stack_gate_up": "maybe"}])
+def test_a_bad_fast_serial_argument_is_a_user_error(args):
+    from core.errors import UserError
+    from decoders.api import open_decoder
+
+    with pytest.raises(UserError):
+        open_decoder("tiny", "fast-serial", device="cpu", **args)
+
+
+def test_spec_refuses_a_capacity_below_one():
+    from core.errors import UserError
+    from decoders.api import open_decoder
+
+    with pytest.raises(UserError, match="capacity must be >= 1"):
+        open_decoder("tiny", "spec", device="cpu", capacity=0)
+
+
+def test_a_prompt_that_is_not_unicode_is_a_user_error():
+    from core.errors import UserError
+    from decoders.api import open_decoder
+
+    dec = open_decoder("tiny", "fast-serial", device="cpu")
+    for bad in (lambda: dec.encode("a\udcffb"), lambda: dec.encode_chat([{"role": "user", "content": "\ud800"}])):
+        with pytest.raises(UserError, match="lone surrogate"):
+            bad()

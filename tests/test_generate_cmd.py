@@ -107,6 +107,8 @@ def no_model_load(monkeypatch):
     (["x", "--model", "tiny", "--device", "gpu"], None, "not supported"),
     (["x", "--model", "tiny", "--decoder-arg", "oops"], None, "expected KEY=VALUE"),
     (["x", "--prompt-file", "f", "--model", "tiny"], None, "not both"),
+    (["def f\udcff():", "--model", "tiny"], None, "not UTF-8 text"),  # a non-UTF-8 byte in argv
+    (["x", "--model", "tiny", "--record", "/proc/qwen-exact-record.jsonl"], None, "is not writable"),
 ])
 def test_mistakes_are_one_line_before_the_load(no_model_load, args, input, message):
     res = invoke(*args, input=input)

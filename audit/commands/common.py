@@ -2,8 +2,11 @@
 options parsed alike (``--sampling``, ``--device``)."""
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
+
+import click
 
 from core.errors import DistError, Stopped, UserError, fail
 
@@ -18,6 +21,9 @@ def run_command(fn: Callable[[], int], worded: dict[type[Exception], str] | None
 
     from audit.report import printable
 
+    # a SIGTERM (timeout, kill, a cancelled job) becomes Stopped, so the command's own cleanup runs:
+    # a retime's workers and their cgroups are ended, never left frozen behind it
+    dist.install_stop_handler()
     try:
         code = fn()
     except UserError as exc:
@@ -25,7 +31,8 @@ def run_command(fn: Callable[[], int], worded: dict[type[Exception], str] | None
     except DistError as exc:
         fail(dist.rank_prefix() + str(exc))
     except Stopped:
-        fail(dist.rank_prefix() + "stopped by the launcher (SIGTERM); nothing was written")
+        who = "by the launcher " if dist.topology().active else ""
+        fail(dist.rank_prefix() + f"stopped {who}(SIGTERM); nothing was written")
     except KeyboardInterrupt:
         fail("interrupted; nothing was written", 130)
     except tuple(worded or ()) as exc:
@@ -51,3 +58,14 @@ def check_device_option(device: str | None) -> None:
     from core.devices import check_device  # torch loads only when a command runs
 
     check_device(device)
+
+
+class FiniteFloat(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses nan and inf, which pass its bounds (every comparison
+    with nan is false) and would only fail when the document is written, after the work."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number

@@ -7,7 +7,7 @@ import click
 
 from core.version import version_option
 
-from audit.commands.common import check_device_option, run_command
+from audit.commands.common import FiniteFloat, check_device_option, run_command
 
 
 @click.command("replay")
@@ -22,10 +22,10 @@ from audit.commands.common import check_device_option, run_command
                    "type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
               help="Replay even on a device other than the recording one (a warning, not a refusal).")
-@click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True, help="Score ceiling S_max.")
-@click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--s-max", type=FiniteFloat(min=0), default=0.95, show_default=True, help="Score ceiling S_max.")
+@click.option("--kappa", type=FiniteFloat(min=0, min_open=True), default=2.0, show_default=True,
               help="Score scale: S_max * (1 - exp(-(m - 1) / kappa)) * f_mem.")
-@click.option("--mem-allowance", type=click.FloatRange(min=0, min_open=True), default=1.2, show_default=True,
+@click.option("--mem-allowance", type=FiniteFloat(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory allowed before the score is cut: f_mem = min(1, allowance / ratio).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Replay N prompts at once in N worker processes on the one device, each with its own copy "

@@ -7,7 +7,7 @@ import click
 
 from core.version import version_option
 
-from audit.commands.common import run_command
+from audit.commands.common import FiniteFloat, run_command
 
 
 @click.command("retime")
@@ -42,11 +42,11 @@ from audit.commands.common import run_command
 @click.option("--no-sandbox", "no_sandbox", is_flag=True,
               help="Run the candidate's worker outside the sandbox (bubblewrap, or unshare as root) even where the "
                    "machine offers one; retime.json and the table then warn candidate-not-sandboxed.")
-@click.option("--s-max", type=click.FloatRange(min=0), default=0.95, show_default=True,
+@click.option("--s-max", type=FiniteFloat(min=0), default=0.95, show_default=True,
               help="Verified score ceiling S_max (as audit replay's).")
-@click.option("--kappa", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--kappa", type=FiniteFloat(min=0, min_open=True), default=2.0, show_default=True,
               help="Verified score saturation kappa (as audit replay's).")
-@click.option("--mem-allowance", type=click.FloatRange(min=0, min_open=True), default=1.2, show_default=True,
+@click.option("--mem-allowance", type=FiniteFloat(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory, measured outside each worker, allowed before the verified score "
                    "is cut: f_mem = min(1, allowance / ratio) (as audit replay's).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",

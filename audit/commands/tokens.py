@@ -7,7 +7,7 @@ import click
 
 from core.version import version_option
 
-from audit.commands.common import check_device_option, parse_sampling, run_command
+from audit.commands.common import FiniteFloat, check_device_option, parse_sampling, run_command
 
 
 @click.command("tokens")
@@ -21,7 +21,7 @@ from audit.commands.common import check_device_option, parse_sampling, run_comma
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="JSON",
               help="Where to write the document; '-' writes it to stdout (the table then goes to stderr). "
                    "Default: audit_tokens.json beside FILE.")
-@click.option("--tie-margin", type=click.FloatRange(min=0), default=None, metavar="X",
+@click.option("--tie-margin", type=FiniteFloat(min=0), default=None, metavar="X",
               help="A divergence whose greedy logit exceeds the emitted token's by at most X is a near-tie. "
                    "Default: 4 ulps of the logits' dtype (bf16) at the top-1 logit.")
 @click.option("--reference", type=click.Path(path_type=Path), default=None, metavar="OTHER.jsonl",

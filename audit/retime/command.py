@@ -84,7 +84,7 @@ def retime(opts: RetimeOptions) -> int:
                        f"{MIN_PROMPTS} fresh prompts")
     pin_replay_environment()
     path = resolve_stream_path(opts.stream)
-    out_path = check_out_path(opts.out or path.parent / "retime.json", path)
+    out_path = check_out_path(opts.out or path.parent / "retime.json", path, "retime.json")
     check_writable(out_path)  # before the workers start: a retime takes minutes
     run = load_run(path)  # a malformed stream is bad input, as for audit replay
     sides = recorded_sides(run.header, opts.trust_plugin)

@@ -15,9 +15,9 @@ from harness.options import SAMPLING_HELP, parse_sampling
 @click.command("generate")
 @version_option
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Read the prompt text from FILE (UTF-8) instead of the PROMPT argument.")
-@click.option("--prompt-ids", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+@click.option("--prompt-ids", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Read the prompt as token ids, a JSON list in FILE (for models without a tokenizer, "
                    "such as synthetic-9b), instead of text.")
 @click.option("--chat", is_flag=True,
@@ -33,8 +33,8 @@ from harness.options import SAMPLING_HELP, parse_sampling
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=GenerateOptions.max_new_tokens,
               show_default=True, help="The most new tokens; decoding stops earlier right after an EOS.")
 @click.option("--json", "json_out", is_flag=True,
-              help="Print one JSON object on stdout (prompt_ids, token_ids, text, finish_reason, stats) "
-                   "instead of streaming the text.")
+              help="Print one JSON object on stdout (prompt_ids, token_ids, text, finish_reason, stats, "
+                   "decoder, model, sampler) instead of streaming the text; the stats line still goes to stderr.")
 @click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Append the prompt and output token ids to FILE as one `audit tokens` line "
                    "(with the decoder, model and N), so `audit tokens FILE --model MODEL` can check it.")
@@ -53,8 +53,8 @@ def generate_cmd(json_out, sampling, temperature, top_k, top_p, min_p, seed, **o
     seconds, tokens/s, time to first token, mean accepted length, drafted/accepted) goes to stderr
     at the end. The tokens are exactly serial decoding's with the same sampler (greedy: the
     argmax; sampled: the sampler's pick at each token's absolute position): it stops right after
-    the first EOS, or after N tokens. --record and --json record the sampler, for `audit tokens
-    --sampling`.
+    the first EOS, or after N tokens. --record and --json record the sampler (greedy too): `audit
+    tokens` judges each recorded line under its own.
     """
     overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
     opts = run_cli(lambda: GenerateOptions(json=json_out, sampler=parse_sampling(sampling, overrides), **options))

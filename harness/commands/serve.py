@@ -37,10 +37,11 @@ from harness.serve.options import ServeOptions
               metavar="N",
               help="Longest request, prompt tokens + max_tokens (longer is answered 400). The decoder's "
                    "static state is sized for it at start, so no request waits for it to grow.")
-@click.option("--record", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+@click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Append every finished request's prompt and output token ids to FILE as one JSON line "
-                   "in `audit tokens` shape (a), with the sampler of a sampled one, so that the answers can be "
-                   "audited afterwards (`audit tokens FILE --sampling SPEC`, one sampler per audit). "
+                   "in `audit tokens` shape (a), with the sampler that decided it (greedy too), so that the "
+                   "answers can be audited afterwards (`audit tokens FILE --model M`: each line under its own "
+                   "sampler). "
                    "Requests whose client went away are not recorded.")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="Model name that /v1/models lists and requests must name. Default: the model's name.")

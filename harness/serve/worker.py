@@ -200,8 +200,8 @@ def fmt(x: float | None, spec: str) -> str:
 
 def recorder(path, decoder) -> Callable:
     """--record FILE: each finished answer as one line of ``audit tokens`` shape (a), with the
-    request's max_new_tokens so that the audit knows where serial decoding stops, and its sampler
-    when it sampled (``audit tokens --sampling`` must match it)."""
+    request's max_new_tokens so that the audit knows where serial decoding stops, and the sampler
+    that decided it (greedy too), which ``audit tokens`` judges it under."""
     def write(job: Job, gen) -> None:
         append_record(path, generation_record(job.id, gen.prompt_ids, gen.token_ids, job.max_new_tokens,
                                               decoder.name, decoder.model.name, job.sampler))

@@ -1,0 +1,52 @@
+"""What every ``audit`` command shares (audit/commands/common.py): a SIGTERM ends a command through
+its own cleanup, with one line; score options refuse numbers that are not finite."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from audit.cli import main as audit_main
+from audit.commands.common import run_command
+
+
+def test_a_sigterm_runs_the_commands_cleanup_and_is_one_line(capsys):
+    cleaned = []
+
+    def command() -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+            return 0
+        finally:
+            cleaned.append(True)  # a retime's workers and cgroups are closed in such a block
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            run_command(command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stop.value.code == 2 and cleaned == [True]
+    assert capsys.readouterr().err.strip() == "error: stopped (SIGTERM); nothing was written"
+
+
+@pytest.mark.parametrize("args", [("replay", "s.jsonl", "--s-max", "nan"), ("replay", "s.jsonl", "--mem-allowance", "inf"),
+                                  ("retime", "s.jsonl", "--kappa", "nan"),
+                                  ("tokens", "g.jsonl", "--model", "tiny", "--tie-margin", "nan")])
+def test_score_options_refuse_numbers_that_are_not_finite_before_any_work(args, tmp_path):
+    res = CliRunner().invoke(audit_main, [a if not a.endswith(".jsonl") else str(tmp_path / a) for a in args])
+    assert res.exit_code == 2 and "is not a finite number" in res.output
+
+
+def test_an_out_path_of_dash_or_a_directory_is_refused_with_the_documents_own_name(tmp_path):
+    from audit.pipeline import check_out_path
+    from audit.stream import BadInput
+
+    stream = tmp_path / "stream.jsonl"
+    with pytest.raises(BadInput, match="written to a file"):
+        check_out_path(Path("-"), stream)
+    with pytest.raises(BadInput, match="retime.json"):
+        check_out_path(tmp_path, stream, "retime.json")
