@@ -3,7 +3,9 @@ options parsed alike (``--sampling``, ``--device``)."""
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import click
@@ -22,8 +24,11 @@ def run_command(fn: Callable[[], int], worded: dict[type[Exception], str] | None
     from audit.report import printable
 
     # a SIGTERM (timeout, kill, a cancelled job) becomes Stopped, so the command's own cleanup runs:
-    # a retime's workers and their cgroups are ended, never left frozen behind it
-    dist.install_stop_handler()
+    # a retime's workers and their cgroups are ended, never left frozen behind it (a handler can be
+    # set from the main thread only; the one before is back once the command ends)
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if previous is not None:
+        dist.install_stop_handler()
     try:
         code = fn()
     except UserError as exc:
@@ -38,6 +43,9 @@ def run_command(fn: Callable[[], int], worded: dict[type[Exception], str] | None
     except tuple(worded or ()) as exc:
         prefix = next(words for kind, words in worded.items() if isinstance(exc, kind))
         fail(printable(f"{prefix}: {exc}"))
+    finally:  # a rank that has reported ignores SIGTERM (dist.ignore_stop): that stays
+        if previous is not None and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, previous)
     sys.exit(code)
 
 
