@@ -3,11 +3,9 @@ replay device, loading the replay model, every replay-free finding, and writing 
 """
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -18,6 +16,7 @@ from core import determinism
 from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
+from core.paths import try_new_file
 from core.prompts import load_prompts, parse_corpus_spec
 
 from audit import checks
@@ -152,11 +151,9 @@ def check_writable(out_path: Path) -> None:
     if not existing.is_dir():
         raise BadInput(f"cannot write {out_path}: {existing} is not a directory")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{Path(out_path).name}.", suffix=".probe", dir=existing)
+        try_new_file(existing, Path(out_path).name)
     except OSError as exc:
         raise BadInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(tmp)
 
 
 def replay_info(devices: list[dict], tokens: int, seconds: float, workers: int = 1) -> dict:

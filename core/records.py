@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from core.errors import UserError
+from core.paths import try_new_file
 
 
 def check_record_path(path) -> Path:
@@ -31,12 +31,10 @@ def check_record_path(path) -> Path:
         if not parent.is_dir():
             raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} does not exist") from None
         try:
-            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+            try_new_file(parent, path.name)
         except OSError as exc:
             raise UserError(f"record file {str(path)!r}: directory {str(parent)!r} is not writable "
                             f"({exc.strerror})") from None
-        os.close(fd)
-        os.unlink(probe)
         return path
     except OSError as exc:
         raise UserError(f"record file {str(path)!r}: {exc.strerror}") from None

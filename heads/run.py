@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
+from core.paths import try_new_file
 
 EXIT_SAVED, EXIT_NOT_SAVED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -77,9 +77,7 @@ def probe_writable(out: Path) -> None:
     created: list[Path] = []
     try:
         created = make_dirs(out)
-        fd, tmp = tempfile.mkstemp(prefix=".heads-train.", suffix=".probe", dir=out)
-        os.close(fd)
-        os.unlink(tmp)
+        try_new_file(out, "heads-train")
     except OSError as exc:
         raise UserError(f"--out {str(out)!r} is not writable: {exc.strerror or exc}") from None
     finally:

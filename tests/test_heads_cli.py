@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import core.models
+import core.paths
 from heads import cli
 from heads import train as T
 from heads.run import EXIT_INTERRUPTED, model_dir_of
@@ -240,14 +241,12 @@ def test_out_on_sysfs_is_refused_before_training(capsys, monkeypatch):
 def test_unwritable_out_leaves_no_directory_and_keeps_the_users(existing, tmp_path, capsys, monkeypatch):
     """A directory that refuses new files (read-only mount, as root too), simulated: the probe's
     file cannot be made. Directories made for the probe go again; one the user had stays, with its files."""
-    import heads.run
-
     _no_training(monkeypatch)
 
     def refused(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(heads.run.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(core.paths.tempfile, "mkstemp", refused)
     if existing:
         out = tmp_path / "mine"
         out.mkdir()

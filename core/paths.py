@@ -1,0 +1,14 @@
+"""Whether a directory takes a new file, tried rather than asked: ``os.access`` says yes to root
+on a read-only mount or a kernel file system (/proc, /sys), where nothing can be made."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def try_new_file(directory: Path, name: str = "probe") -> None:
+    """Make and remove an empty file in ``directory``; raises the OSError that refused it."""
+    fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".probe", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
