@@ -109,13 +109,13 @@ SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-o
 TABLE_CONFIGS = ("fast-serial", "spec-naive", "spec", "inst-0.6", "inst-0.85", "inst-0.95", "spec@fs", "inst-0.85@fs")
 SMALL_CONFIGS = ("fast-serial", "spec", "spec@fs")
 # spec with a head that predicts nothing is within a few percent of fast-serial: one leg is noise
-LEGS = {"spec@fs": 3}
+LEGS = {"spec@fs": 3, "fs-read-first@fs": 3}
 # the speed targets' rows, each side by side against fast-serial: the instrument at three acceptance levels,
-# spec's random head, and small's real acceptance (held-out and dev traces, with the head's
+# spec's random head, fast-serial reading each token before its next step (the step's row), and small's real acceptance (held-out and dev traces, with the head's
 # confidences) replayed at the 9B shape, with each round's depth chosen before drafting and with
 # stop=confidence
 TRACES_9B = ("bench/traces/small-heldout.json", "bench/traces/small-dev.json")
-TARGET_CONFIGS = ("inst-0.6@fs", "inst-0.7@fs", "inst-0.85@fs", "spec@fs",
+TARGET_CONFIGS = ("inst-0.6@fs", "inst-0.7@fs", "inst-0.85@fs", "spec@fs", "fs-read-first@fs",
                   *(f"inst-trace:{t}{stop}@fs" for t in TRACES_9B for stop in ("", "+conf")), "inst-0.6+conf@fs")
 # what the policy earns on those rows, simulated from the costs a 9B run recorded (session 20's
 # context run, bench/NOTES.md): no GPU needed

@@ -15,6 +15,8 @@ and marked so.
 
 Configuration names:
   fast-serial, spec-naive, spec, inst-A      a decoder (inst-A: the instrument at alpha A)
+  fs-read-first                              fast-serial reading each token before queuing the next
+                                             step (fs-read-first@fs: what reading ahead gains)
   inst-trace:FILE                            the instrument replaying an acceptance trace
                                              (python -m decoders.trace ... --out FILE)
   small:NAME                                 NAME on the built-in `small` and its held-out prompts
@@ -39,6 +41,8 @@ from core.schema import read_stream
 
 BASE = {
     "fast-serial": ["--decoder", "fast-serial"],
+    # fast-serial reading each token before it queues the next step (against fast-serial: the read-ahead's gain)
+    "fs-read-first": ["--decoder", "fast-serial", "--decoder-arg", "read_ahead=false"],
     "spec-naive": ["--decoder", "spec-naive"],
     "spec": ["--decoder", "spec"],
     "inst-0.6": ["--decoder", "spec-instrument", "--decoder-arg", "alpha=0.6"],

@@ -4,6 +4,8 @@ The same tokens and bit-identical logits as ``serial``, with the per-step work c
 graphs over static state. It is the honest serial baseline a speculative decoder must beat.
 Greedy, a step's token is the argmax inside the step's graph; under a sampler, the sampler's pick
 from the step's logits row at the token's absolute position (decoders/sampled.py), after the graph.
+Each step is queued before the host reads the token before it (decoders/stepping.py); decoder
+argument ``read_ahead=false`` reads every token before queuing the next step (to measure the one).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from decoders.base import DecodeResult, DecodeStats
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
 from decoders.sampled import TargetPicks
+from decoders.stepping import TokenReader, steps_read_ahead
 
 
 class FastSerialDecoder:
@@ -23,13 +26,16 @@ class FastSerialDecoder:
     margin = 1  # positions a decode needs beyond its prompt and new tokens
     sampling = True
 
-    def __init__(self, capacity: int | None = None, stack_gate_up: bool = True):
+    def __init__(self, capacity: int | None = None, stack_gate_up: bool = True, read_ahead: bool = True):
         if capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
             raise ValueError(f"capacity must be >= 1 (positions the runtime is sized for), not {capacity}")
         if not isinstance(stack_gate_up, bool):
             raise ValueError("stack_gate_up must be true or false")
+        if not isinstance(read_ahead, bool):
+            raise ValueError("read_ahead must be true or false")
         self.capacity = None if capacity is None else int(capacity)
         self.stack_gate_up = stack_gate_up  # False: the MLP's gate and up as two GEMMs (to measure the one)
+        self.read_ahead = read_ahead
         self.model = None
         self.runtime = None
         self.picks: TargetPicks | None = None  # the sampled path's picks, made at its first use
@@ -38,12 +44,14 @@ class FastSerialDecoder:
         self.model = model
         cap = capacity or self.capacity or DEFAULT_CAPACITY
         self.runtime = ExactRuntime(model, capacity=cap, windows=(1,), stack_gate_up=self.stack_gate_up)
+        self.reader = TokenReader(self.runtime.device)
 
     def config(self) -> dict:
         rt = self.runtime
         sizing = {"capacity": rt.capacity, "static_bytes": rt.nbytes()} if rt else {"capacity": self.capacity}
         return {"sizing": sizing, "graphs": bool(rt and rt.use_graphs),
                 "prefill": rt.prefill_how if rt else None, "stack_gate_up": self.stack_gate_up,
+                "read_ahead": self.read_ahead,
                 "gate_up_rows": rt.gate_up_rows if rt else None, "calibration": rt.cal.to_json() if rt else None}
 
     def reserve(self, positions: int) -> None:
@@ -74,17 +82,7 @@ class FastSerialDecoder:
         logits, _ = rt.prefill(prompt_ids)
         stats.forwards += 1
         nxt = logits.argmax(-1)
-        tokens = [int(nxt.item())]
-        if on_tokens is not None:
-            on_tokens(tokens[-1:])
-        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-            prog = rt.step(nxt)
-            stats.forwards += 1
-            nxt = prog.ws["argmax"].view(1)
-            tokens.append(int(nxt.item()))
-            if on_tokens is not None:
-                on_tokens(tokens[-1:])
-        return DecodeResult(tokens, stats)
+        return self._steps(nxt, lambda y: rt.step(y).ws["argmax"].view(1), max_new_tokens, eos, on_tokens, stats)
 
     def _decode_sampled(self, prompt_ids, max_new_tokens, on_tokens, sampler: Sampler) -> DecodeResult:
         """As the greedy loop, each token the sampler's pick at its position (prompt + index)."""
@@ -98,14 +96,27 @@ class FastSerialDecoder:
         logits, _ = rt.prefill(prompt_ids)
         stats.forwards += 1
         nxt = picks.first(logits, len(prompt_ids)).view(1)
+        # each pick at position rt.length after its step: len(prompt_ids) + the tokens before it
+        return self._steps(nxt, lambda y: picks.row(rt.step(y), 0).view(1), max_new_tokens, eos, on_tokens, stats)
+
+    def _steps(self, nxt: torch.Tensor, step, max_new_tokens: int, eos: set[int], on_tokens,
+               stats: DecodeStats) -> DecodeResult:
+        """The prefill's token ``nxt``, then plain steps (``step(y)``: queue one, return its
+        device token) until EOS or ``max_new_tokens``."""
         tokens = [int(nxt.item())]
-        if on_tokens is not None:
-            on_tokens(tokens[-1:])
+        emit = None if on_tokens is None else (lambda tok: on_tokens([tok]))
+        if emit is not None:
+            emit(tokens[0])
+        if tokens[0] in eos:
+            return DecodeResult(tokens, stats)
+        if self.read_ahead:
+            new, _, ran = steps_read_ahead(step, nxt, max_new_tokens - 1, eos, self.reader, emit)
+            stats.forwards += ran
+            return DecodeResult(tokens + new, stats)
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-            prog = rt.step(nxt)
+            nxt = step(nxt)
             stats.forwards += 1
-            nxt = picks.row(prog, 0).view(1)  # position rt.length: len(prompt_ids) + len(tokens)
             tokens.append(int(nxt.item()))
-            if on_tokens is not None:
-                on_tokens(tokens[-1:])
+            if emit is not None:
+                emit(tokens[-1])
         return DecodeResult(tokens, stats)

@@ -71,6 +71,7 @@ from decoders.policy import Calibration, Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
 from decoders.sampled import TargetPicks, settings
+from decoders.stepping import TokenReader, steps_read_ahead
 from decoders.trace import Trace, TraceRow
 from decoders.trace import load as load_trace
 
@@ -251,6 +252,7 @@ class SpecDecoder:
         self.drafter = MTPDrafter(self.model, capacity, shortlist=ids, head=self.head, max_rows=self.max_depth + 1,
                                   coupled=self.coupled, confidence=self.stop == "confidence")
         self.picks = TargetPicks(self.model.device, self.runtime.use_graphs)
+        self.reader = TokenReader(self.runtime.device)
 
     def reserve(self, positions: int) -> None:
         """Room for every decode of ``len(prompt) + max_new_tokens <= positions`` (the protocol's),
@@ -526,26 +528,20 @@ class SpecDecoder:
 
     def _plain_steps(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
         """Up to ``rounds`` exact steps, stopping after an EOS; their rows join the head's pending
-        rows (``Pending.steps``, the runtime's ring). Returns the emitted tokens. Timed by the
+        rows (``Pending.steps``, the runtime's ring). Returns the emitted tokens. Each step is
+        queued before the host reads the token before it (decoders/stepping.py). Timed by the
         decode loop's host clock, not by events: at a step's cost on a fast GPU, two event records
         a step would show."""
-        rt, out = self.runtime, []
-        for _ in range(rounds):
-            pending.y = rt.step(pending.y).ws["argmax"]
-            out.append(int(pending.y.item()))
-            if out[-1] in eos:
-                break
+        rt = self.runtime
+        out, pending.y, _ = steps_read_ahead(lambda y: rt.step(y).ws["argmax"], pending.y, rounds, eos, self.reader)
         pending.steps += out
         return out
 
     def _plain_steps_sampled(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
         """As ``_plain_steps``, each token the sampler's pick at the position after the step's."""
-        rt, out = self.runtime, []
-        for _ in range(rounds):
-            pending.y = self.picks.row(rt.step(pending.y), 0).view(1, 1)
-            out.append(int(pending.y.item()))
-            if out[-1] in eos:
-                break
+        rt, picks = self.runtime, self.picks
+        out, pending.y, _ = steps_read_ahead(lambda y: picks.row(rt.step(y), 0).view(1, 1), pending.y, rounds, eos,
+                                             self.reader)
         pending.steps += out
         return out
 

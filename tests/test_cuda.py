@@ -200,6 +200,30 @@ def test_decoders_end_to_end_equal_serial(models, serial_tokens, name, kwargs):
         assert accepted > 0
 
 
+@pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("fast-serial", {"read_ahead": False}),
+                                         ("spec", {"depth": 0}), ("spec-instrument", {"alpha": 0.8})])
+@pytest.mark.parametrize("sampler", [None, Sampler(**PRESETS["qwen-instruct"], seed=8)])
+def test_steps_read_ahead_stop_at_eos_and_leave_no_gpu_work(models, name, kwargs, sampler):
+    """Plain steps queued one ahead of the host's read (decoders/stepping.py): the control's tokens
+    up to an EOS in mid-decode, the step queued past it finished before decode returns, and the
+    next decode exact."""
+    model = models["tiny"]
+    tok = model.tokenizer.get()
+    a, b = (tok.encode(p["text"]) for p in DEV_PROMPTS[:2])
+    serial = SerialDecoder()
+    serial.prepare(model)
+    stream = serial.decode(a, 64, sampler=sampler).tokens
+    eos_model = dataclasses.replace(model, eos_token_ids=(stream[40],))
+    serial.prepare(eos_model)
+    want_a, want_b = (serial.decode(ids, 64, sampler=sampler).tokens for ids in (a, b))
+    assert len(want_a) < 64
+    dec = get_decoder(name, **kwargs)
+    dec.prepare(eos_model)
+    for ids, want in ((a, want_a), (b, want_b), (a, want_a)):
+        assert dec.decode(ids, 64, sampler=sampler).tokens == want
+        assert torch.cuda.current_stream().query()  # no GPU work outlives the call
+
+
 @pytest.mark.parametrize("name,kwargs", [("fast-serial", {}), ("spec-instrument", {"alpha": 0.8, "depth": 3})])
 def test_a_decode_past_4096_positions_reserved_up_front_is_exact_and_builds_nothing(models, name, kwargs):
     """4000 prompt + 200 new tokens, past the default capacity of 4096, with every graph over the
