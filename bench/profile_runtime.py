@@ -11,8 +11,9 @@ the windows are profiled once per runtime named in --lanes (one stream, and the 
 lanes), so the two sit side by side.
 Kernel sum above busy time is concurrency; wall above busy time is the GPU idling (launch or
 host bound), placed by the idle gaps' lengths: sub-microsecond gaps are the GPU starting the next
-dependent kernel, longer ones wait for the host. "step + token read" is fast-serial's loop, which
-reads each token on the host before issuing the next step. Diagnostic only: speed claims come from the side-by-side benchmarks.
+dependent kernel, longer ones wait for the host. "step + token read" is a loop that reads each
+token on the host before issuing the next step; "step, token read a step later" is fast-serial's,
+which issues step t+1 before it reads token t (decoders/stepping.py). Diagnostic only: speed claims come from the side-by-side benchmarks.
 """
 from __future__ import annotations
 
@@ -240,6 +241,18 @@ def main(argv=None) -> int:
         runtime.prefill(prompt)
         return lambda: runtime.step(tok).ws["argmax"].item()  # fast-serial's loop: each token read on the host
 
+    def step_read_ahead(runtime):
+        from decoders.stepping import TokenReader
+
+        runtime.prefill(prompt)
+        reader, held = TokenReader(runtime.device), []
+
+        def call():  # fast-serial's loop: queue the next step, then read the token before it
+            held.append(reader.post(runtime.step(tok).ws["argmax"]))
+            if len(held) > 1:
+                reader.read(held.pop(0))
+        return call
+
     def window(runtime, w):
         block = tok.expand(1, w).contiguous()
         return lambda: runtime.verify(block)  # never accepted
@@ -267,6 +280,7 @@ def main(argv=None) -> int:
         tag = f"lanes {runtime.lanes.width}"
         ops[f"step (graphed, {tag})"] = step(runtime)
         ops[f"step + token read ({tag})"] = step_and_read(runtime)
+        ops[f"step, token read a step later ({tag})"] = step_read_ahead(runtime)
         ops.update({f"window {w} (graphed, {tag})": window(runtime, w) for w in windows})
     rt.prefill(prompt)
     dr.prefill(hidden, prompt)

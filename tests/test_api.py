@@ -59,7 +59,8 @@ def test_tokens_equal_serial_and_stream_concatenates(opened, model, name):
         assert 0 <= s.accepted <= s.drafted
         if name == "fast-serial":
             assert (s.drafted, s.accepted, s.mean_accepted_length) == (0, 0, None)
-            assert s.forwards == len(gen.token_ids)
+            # a step is queued before the token before it is read: one ran past an early EOS
+            assert s.forwards == len(gen.token_ids) + (ended and len(gen.token_ids) < N)
 
 
 def test_ids_prompt_and_no_callback(opened):
