@@ -169,6 +169,23 @@ def waits_by_place(gaps, launches, frames, depth: int = 3) -> list[tuple[str, in
     return sorted(((k, n, us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
 
 
+def project_frames(prof) -> list[tuple[float, float, str]]:
+    """The project's Python frames (start us, end us, name) in a ``with_stack`` profile, from the
+    profiler's event tree (its Python calls; the kineto events' own flag for them is not in every
+    torch), on the kineto events' clock. The tracer names a frame "package/module.py(line):
+    function", relative to its import root."""
+    from torch._C._profiler import _EventType
+
+    ours = {p.name for p in Path(__file__).resolve().parent.parent.iterdir() if p.is_dir()}
+    frames, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if node.tag == _EventType.PyCall and node.name.split("/", 1)[0] in ours:
+            frames.append((node.start_time_ns / 1e3, node.end_time_ns / 1e3, node.name))
+    return frames
+
+
 def trace_decode(decode, min_gap_us: float = 10.0) -> list[tuple[str, int, float]]:
     """One decode under the profiler with Python frames: its GPU idle gaps of at least
     ``min_gap_us``, charged by ``waits_by_place``."""
@@ -180,10 +197,7 @@ def trace_decode(decode, min_gap_us: float = 10.0) -> list[tuple[str, int, float
     gpu = sorted((e.start_ns() / 1e3, e.end_ns() / 1e3, e.correlation_id()) for e in events if e.device_type() == cuda)
     launches = {e.correlation_id(): e.start_ns() / 1e3 for e in events
                 if e.device_type() != cuda and e.name().startswith("cu") and e.correlation_id()}
-    # the tracer names a frame "package/module.py(line): function", relative to its import root
-    ours = {p.name for p in Path(__file__).resolve().parent.parent.iterdir() if p.is_dir()}
-    frames = [(e.start_ns() / 1e3, e.end_ns() / 1e3, e.name()) for e in events
-              if e.is_python_function() and e.name().split("/", 1)[0] in ours]
+    frames = project_frames(prof)
     gaps, end = [], None
     for a, b, corr in gpu:
         if end is not None and a - end >= min_gap_us:

@@ -128,3 +128,23 @@ def test_the_decode_trace_charges_each_late_launch_to_the_frames_around_it():
     assert rows == [("queued before the GPU went idle", 1, 50.0),
                     ("spec.py: _spec_round > runtime.py: verify", 1, 30.0),
                     ("spec.py: decode > spec.py: _draft", 1, 12.0)]
+
+
+def test_the_decode_trace_finds_the_projects_frames_in_a_real_profile():
+    """The frames come from the profiler itself (not every torch flags python events on its
+    kineto events): a project function profiled on the CPU is found, with its span."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from decoders.stepping import TokenReader
+
+    prof_mod = load("profile_runtime")
+    reader = TokenReader(torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        reader.read(reader.post(torch.tensor([7])))
+    frames = prof_mod.project_frames(prof)
+    names = [n for _, _, n in frames]
+    assert any(n.startswith("decoders/stepping.py(") and n.endswith(": post") for n in names)
+    assert any(n.endswith(": read") for n in names)
+    assert all(a <= b for a, b, _ in frames)
+    assert not any(n.startswith("torch/") for n in names)  # only the project's own
