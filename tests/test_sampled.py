@@ -151,7 +151,8 @@ def test_eos_stops_under_sampling(tiny, prompts, serial):
     ref.prepare(eos_model)
     expect = ref.decode(prompts[0], 40, sampler=s).tokens
     assert expect[-1] == stream[13] and len(expect) < 40
-    for dec in (FastSerialDecoder(), SpecDecoder(depth=2), InstrumentedSpecDecoder(alpha=0.9, depth=5)):
+    for dec in (FastSerialDecoder(), SpecDecoder(depth=2), SpecDecoder(depth=0),
+                InstrumentedSpecDecoder(alpha=0.9, depth=5)):
         dec.prepare(eos_model)
         assert dec.decode(prompts[0], 40, sampler=s).tokens == expect
 

@@ -113,9 +113,12 @@ def test_eos_terminated(tiny, serial, prompts):
     ref.prepare(eos_model)
     want = ref.decode(prompts[0], 40).tokens
     assert want[-1] == stream[17] and len(want) < 40
-    for dec in (InstrumentedSpecDecoder(alpha=0.9, depth=5), SpecDecoder(depth=2)):
+    after = ref.decode(prompts[1], 40).tokens
+    # depth 0: runs of plain steps only, each step queued before the token before it is read
+    for dec in (InstrumentedSpecDecoder(alpha=0.9, depth=5), SpecDecoder(depth=2), SpecDecoder(depth=0)):
         dec.prepare(eos_model)
         assert dec.decode(prompts[0], 40).tokens == want
+        assert dec.decode(prompts[1], 40).tokens == after
 
 
 def test_long_generation_grows_capacity(tiny, serial, prompts):
