@@ -453,6 +453,13 @@ class SpecDecoder:
         if on_tokens is not None:
             on_tokens(tokens[:])
         last, drafting = time.perf_counter(), True  # the first catch-up is one row, as in a drafting run
+        streamed: list[float] = []  # the callback's seconds inside this round's plain steps
+
+        def emit(tok: int) -> None:  # a plain step's token goes out as soon as it is read
+            t0 = time.perf_counter()
+            on_tokens([tok])
+            streamed.append(time.perf_counter() - t0)
+
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             depth = min(policy.choose(), max_new_tokens - len(tokens))
             first_draft = bool(depth) and pending.prompt is not None
@@ -465,7 +472,7 @@ class SpecDecoder:
                 depth, step_from = 0, time.perf_counter()
             if depth == 0:
                 rounds = 1 if draft is not None else policy.plain_rounds(min(PLAIN_RUN, max_new_tokens - len(tokens)))
-                new = plain_steps(pending, rounds, eos)
+                new, ran = plain_steps(pending, rounds, eos, None if on_tokens is None else emit)
                 stats.extra["depth_trace"] += [0] * len(new)
             else:
                 if policy.calibration is not None:  # the round sets its own depth, up to max_depth
@@ -474,7 +481,8 @@ class SpecDecoder:
                 stats.extra["depth_trace"].append(depth)
                 policy.update(depth, len(new) - 1, confidences)
                 stats.record_round(depth, len(new) - 1)
-            now = time.perf_counter()  # the round's tokens were just read: a sync point
+            # the round's tokens were just read: a sync point; the callback's time belongs to no round
+            now = time.perf_counter() - sum(streamed)
             if draft is not None:
                 if not first_draft:  # on a GPU that round also waits for the head's prompt rows
                     policy.observe_probe(now - last)
@@ -488,12 +496,14 @@ class SpecDecoder:
                 stats.extra["probes"] += 1
                 stats.extra["probe_hits"] += int(hit)
             last, drafting = now, depth > 0
-            stats.forwards += len(new) if depth == 0 else 1
-            new = new[:stop_index(new, eos, max_new_tokens - len(tokens))]
+            stats.forwards += ran if depth == 0 else 1  # plain steps: with the one queued past an EOS
+            new = new[:stop_index(new, eos, max_new_tokens - len(tokens))]  # plain runs stop there already
             tokens += new
             if on_tokens is not None:
-                on_tokens(new)
-                last = time.perf_counter()  # the callback's time belongs to no round
+                if depth != 0:
+                    on_tokens(new)
+                last = time.perf_counter()
+                streamed.clear()
         stats.extra["time_split"] = timer.result()
         stats.extra["policy"] = policy.state()
         if policy.learnt() is not None:
@@ -526,24 +536,26 @@ class SpecDecoder:
             self.drafter.prefill(*pending.prompt)
         pending.prompt = None
 
-    def _plain_steps(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
+    def _plain_steps(self, pending: Pending, rounds: int, eos: set[int], emit=None) -> tuple[list[int], int]:
         """Up to ``rounds`` exact steps, stopping after an EOS; their rows join the head's pending
-        rows (``Pending.steps``, the runtime's ring). Returns the emitted tokens. Each step is
-        queued before the host reads the token before it (decoders/stepping.py). Timed by the
+        rows (``Pending.steps``, the runtime's ring). Returns the emitted tokens, each also given to
+        ``emit`` as it is read, and the steps run (one more than the tokens after an EOS: each step
+        is queued before the host reads the token before it, decoders/stepping.py). Timed by the
         decode loop's host clock, not by events: at a step's cost on a fast GPU, two event records
         a step would show."""
         rt = self.runtime
-        out, pending.y, _ = steps_read_ahead(lambda y: rt.step(y).ws["argmax"], pending.y, rounds, eos, self.reader)
+        out, pending.y, ran = steps_read_ahead(lambda y: rt.step(y).ws["argmax"], pending.y, rounds, eos,
+                                               self.reader, emit)
         pending.steps += out
-        return out
+        return out, ran
 
-    def _plain_steps_sampled(self, pending: Pending, rounds: int, eos: set[int]) -> list[int]:
+    def _plain_steps_sampled(self, pending: Pending, rounds: int, eos: set[int], emit=None) -> tuple[list[int], int]:
         """As ``_plain_steps``, each token the sampler's pick at the position after the step's."""
         rt, picks = self.runtime, self.picks
-        out, pending.y, _ = steps_read_ahead(lambda y: picks.row(rt.step(y), 0).view(1, 1), pending.y, rounds, eos,
-                                             self.reader)
+        out, pending.y, ran = steps_read_ahead(lambda y: picks.row(rt.step(y), 0).view(1, 1), pending.y, rounds, eos,
+                                               self.reader, emit)
         pending.steps += out
-        return out
+        return out, ran
 
     def _probe(self, pending: Pending, emitted: int, timer: PhaseTimer) -> torch.Tensor:
         """Catch the head up on the pending rows and draft the token after ``pending.y`` [1,1];

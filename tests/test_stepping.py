@@ -125,3 +125,25 @@ def test_fast_serial_reading_ahead_stops_at_eos(tiny, prompts, at):
 def test_read_ahead_must_be_a_bool():
     with pytest.raises(ValueError, match="read_ahead"):
         FastSerialDecoder(read_ahead="yes")
+
+
+@pytest.mark.parametrize("sampler", [None, Sampler(temperature=0.8, top_k=20, seed=3)])
+def test_spec_streams_each_plain_step_and_counts_its_forwards_as_fast_serial(tiny, prompts, sampler):
+    """spec's plain steps reach ``on_tokens`` one token each, as read; its forwards count the step
+    queued past an EOS as fast-serial's do."""
+    from decoders.spec import SpecDecoder
+
+    serial = SerialDecoder()
+    serial.prepare(tiny)
+    stream = serial.decode(prompts[0], 30, sampler=sampler).tokens
+    model = dataclasses.replace(tiny, eos_token_ids=(stream[20],))
+    fast, spec = FastSerialDecoder(capacity=128), SpecDecoder(depth=0)
+    fast.prepare(model)
+    spec.prepare(model)
+    for n in (30, 5):
+        want = fast.decode(prompts[0], n, sampler=sampler)
+        batches = []
+        got = spec.decode(prompts[0], n, on_tokens=batches.append, sampler=sampler)
+        assert got.tokens == want.tokens and [t for b in batches for t in b] == got.tokens
+        assert all(len(b) == 1 for b in batches)
+        assert got.stats.forwards == want.stats.forwards
