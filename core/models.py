@@ -62,6 +62,18 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.text_config.vocab_size
 
+    @property
+    def context(self) -> int | None:
+        """The positions the model is made for (its config's max_position_embeddings; None where
+        the config does not say): prompt + new tokens beyond it are refused, as the audit refuses
+        to judge them."""
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    def check_fits(self, positions: int, what: str) -> None:
+        """UserError unless ``positions`` (``what``: how they were asked for) fit the context."""
+        if self.context is not None and positions > self.context:
+            raise UserError(f"{what} = {positions} positions, beyond model {self.name}'s context of {self.context}")
+
     def require_mtp(self, who: str) -> MTPHead:
         if self.mtp is None:
             raise UserError(f"decoder {who!r} needs an MTP head, but {self.name}: {self.mtp_missing}")

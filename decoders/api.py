@@ -92,6 +92,7 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
         raise UserError(f"decoder {name!r} cannot run on {loaded.name}: {exc}") from None
     opened = ExactDecoder(decoder, loaded, sampler=sampler)
     if max_positions is not None:
+        loaded.check_fits(max_positions, f"max_positions {max_positions}")
         opened.reserve(max_positions)
     return opened
 
@@ -248,6 +249,8 @@ class ExactDecoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
         ids = self.prompt_ids(prompt)
+        self.model.check_fits(len(ids) + max_new_tokens,
+                              f"a prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens}")
         sampler = self.sampler if sampler is None else as_sampler(sampler)
         check_sampling(self.decoder, sampler)
         with self._lock:

@@ -69,7 +69,9 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     roles = {"control": control, "candidate": candidate}
     resident = {role: allocated_by(lambda d=dec: d.prepare(model), dev) for role, dec in roles.items()}
     prompts, prompt_info = load_prompts(opts.prompts, model, opts.limit)
-    positions = max(len(p.token_ids) for p in prompts) + max_new_tokens
+    longest = max(prompts, key=lambda p: len(p.token_ids))
+    positions = len(longest.token_ids) + max_new_tokens
+    model.check_fits(positions, f"prompt {longest.id!r} of {len(longest.token_ids)} tokens + N {max_new_tokens}")
     for role, dec in roles.items():
         grown = allocated_by(lambda d=dec: reserve_positions(d, positions), dev)
         resident[role] = None if grown is None else max(0, resident[role] + grown)

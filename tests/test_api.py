@@ -245,6 +245,7 @@ def test_chat_encoding_uses_chatml_without_a_template(opened):
     ({"model": "tiny", "name": "spec", "nonsense": 1}, "nonsense"),
     ({"model": "tiny", "device": "gpu"}, "not supported"),
     ({"model": "tiny", "device": "mps"}, "not supported"),
+    ({"model": "tiny", "name": "fast-serial", "max_positions": 4097}, "beyond model tiny's context of 4096"),
 ])
 def test_bad_open_is_a_user_error(kwargs, match):
     with pytest.raises(UserError, match=match):
@@ -254,7 +255,7 @@ def test_bad_open_is_a_user_error(kwargs, match):
 @pytest.mark.parametrize("prompt,n,match", [
     ("", 4, "empty"), ([], 4, "empty"), ([-1], 4, "token ids"), ([10**9], 4, "token ids"),
     ([True], 4, "token ids"), (3.5, 4, "text or a list"), ("hi", 0, "max_new_tokens"),
-    ("hi", True, "max_new_tokens"),
+    ("hi", True, "max_new_tokens"), ([5] * 4000, 97, "4097 positions, beyond model tiny's context of 4096"),
 ])
 def test_bad_generate_is_a_user_error(opened, prompt, n, match):
     with pytest.raises(UserError, match=match):

@@ -61,3 +61,11 @@ def test_a_writer_that_fails_removes_the_directories_it_made_and_keeps_the_users
             writer.write({"type": "header"})
             raise RuntimeError("failed mid-run")
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["keep.txt"]
+
+
+def test_a_decode_beyond_the_models_context_is_refused_before_timing(tmp_path):
+    """The audit refuses to judge positions past the model's context; the harness does not time them."""
+    result, out = time_cmd(tmp_path, "-n", "4096")
+    line = one_error_line(result)
+    assert "beyond model tiny's context of 4096" in line and "+ N 4096" in line
+    assert not out.exists()

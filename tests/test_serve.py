@@ -154,7 +154,19 @@ def test_what_it_cannot_honour_is_400_and_it_keeps_serving(server, client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": LIMIT + 1}, timeout=BOUND)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    # by default the server's context is the model's (tiny: 4096): the audit judges nothing past it
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 4000, "max_tokens": 100}, timeout=BOUND)
+    assert r.status_code == 400 and "context of 4096" in r.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt=[3, 4], max_tokens=2).choices[0].token_ids
+
+
+def test_the_default_context_is_the_models_capped_and_a_given_one_is_kept():
+    from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
+
+    assert ServeOptions().context_for(4096) == 4096
+    assert ServeOptions().context_for(262144) == DEFAULT_MAX_CONTEXT
+    assert ServeOptions().context_for(None) == DEFAULT_MAX_CONTEXT
+    assert ServeOptions(max_context=100).context_for(4096) == 100
 
 
 SAMPLER = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 7}

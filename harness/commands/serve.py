@@ -9,7 +9,7 @@ import click
 from core.errors import UserError
 from core.version import version_option
 from harness.commands.common import run_cli
-from harness.serve.options import ServeOptions
+from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
 
 
 @click.command("serve")
@@ -33,10 +33,10 @@ from harness.serve.options import ServeOptions
               show_default=True, metavar="N",
               help="Largest max_tokens a request may ask for (more is answered 400). A request that "
                    "names none gets min(256, N).")
-@click.option("--max-context", type=click.IntRange(min=2), default=ServeOptions.max_context, show_default=True,
-              metavar="N",
-              help="Longest request, prompt tokens + max_tokens (longer is answered 400). The decoder's "
-                   "static state is sized for it at start, so no request waits for it to grow.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None, metavar="N",
+              help="Longest request, prompt tokens + max_tokens (longer is answered 400); at most the "
+                   f"model's context. Default: the model's context, at most {DEFAULT_MAX_CONTEXT}. The "
+                   "decoder's static state is sized for it at start, so no request waits for it to grow.")
 @click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Append every finished request's prompt and output token ids to FILE as one JSON line "
                    "in `audit tokens` shape (a), with the sampler that decided it (greedy too), so that the "

@@ -26,11 +26,13 @@ def run_serve(opts: ServeOptions) -> None:
         check_record_path(opts.record)  # before the load: a typo costs no model load
     # sized once for the longest request the server takes: no request waits for the state to grow
     dec = open_decoder(opts.model, opts.decoder, device=opts.device, max_positions=opts.max_context, **args)
+    max_context = opts.context_for(dec.model.context)
+    dec.reserve(max_context)  # the default's size, known once the model is: a no-op for --max-context
     on_finished = recorder(opts.record, dec) if opts.record is not None else None
     name = opts.served_model_name or dec.model.name
     limits = Limits(served_model_name=name, default_max_tokens=opts.default_max_tokens,
                     max_new_tokens_limit=opts.max_new_tokens_limit, vocab_size=dec.model.vocab_size)
-    worker = DecodeWorker(dec, opts.queue_size, on_finished=on_finished, max_context=opts.max_context)
+    worker = DecodeWorker(dec, opts.queue_size, on_finished=on_finished, max_context=max_context)
     app = create_app(dec, limits, worker)
     sock = listen(opts.host, opts.port)
     setup_logging()
