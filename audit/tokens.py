@@ -216,6 +216,22 @@ def n_of(g: Generation, n: int) -> int:
     return g.max_new_tokens or n
 
 
+def n_line(doc: dict) -> str:
+    if doc["n_from"].startswith("unused"):
+        return "N = each line's own"
+    return f"N = {doc['max_new_tokens']} ({doc['n_from']})"
+
+
+def n_source(gens, given: bool) -> str:
+    """Where the N of the run's document comes from, as its table says: every line recording its
+    own N (which is what judges it) leaves the run's N unused."""
+    own = sum(g.max_new_tokens is not None for g in gens)
+    run = "-n" if given else "longest output"
+    if own == len(gens):
+        return "unused: each line records its own"
+    return f"{run}; {own} line(s) record their own" if own else run
+
+
 def prompt_of(rec: dict, where: str) -> tuple[list[int] | None, str | None]:
     """Token ids when given (a serving engine records both), else the text, encoded later."""
     if "prompt_token_ids" in rec:
@@ -475,7 +491,7 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
         counts["exact" if first is None else first["class"]] += 1
         entry = {"id": g.id, "line": g.line, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output),
                  "exact": first is None, "ends_with_eos": bool(g.output) and g.output[-1] in model.eos_token_ids,
-                 "first_divergence": first, "sampler": g.judged.to_json()}
+                 "max_new_tokens": n_of(g, n), "first_divergence": first, "sampler": g.judged.to_json()}
         if pairs is not None:
             ref = pairs[g.id]
             entry["reference"] = (parting_json(model, g, ref, div, walk, dtype, opts.tie_margin, n_of(g, n),
@@ -491,7 +507,7 @@ def build_document(opts: TokensOptions, inputs: Inputs, walked: dict, model, dev
         "replay": {**replay, "path": "pristine-serial", "device": device_name(torch.device(dev))},
         "determinism": determinism.current(),
         "max_new_tokens": n,
-        "n_from": "-n" if opts.max_new_tokens else "longest output",
+        "n_from": n_source(gens, bool(opts.max_new_tokens)),
         # --sampling: the sampler lines that record none were judged under (greedy: temperature 0);
         # each generation's own is in its entry
         "sampler": (opts.sampler or GREEDY).to_json(),
@@ -558,7 +574,7 @@ def render_table(doc: dict) -> str:
     c, tm, rp = doc["counts"], doc["tie_margin"], doc["replay"]
     tol = f"{tm['ulps']} ulps of {tm['dtype']} at the top-1 logit" if tm["mode"] == "ulps" else f"{tm['value']:g}"
     sampled = "" if mixed or all(s.greedy for s in judged) else f"; sampler: {judged[0].describe()}"
-    lines += ["", f"N = {doc['max_new_tokens']} ({doc['n_from']}){sampled}; near-tie tolerance: {tol}",
+    lines += ["", f"{n_line(doc)}{sampled}; near-tie tolerance: {tol}",
               f"replay: {rp['tokens_replayed']} positions in {rp['seconds']:.2f} s on {rp['device']} via {rp['path']}",
               f"{c['generations']} generations: {c['exact']} exact, {c[NEAR_TIE]} near-tie, {c[REAL]} real, "
               f"{c[STOP]} stop"]

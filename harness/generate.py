@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import uuid
 from dataclasses import dataclass
@@ -100,6 +101,14 @@ def check_before_load(opts: GenerateOptions) -> dict:
     return parse_decoder_args(opts.decoder_args)
 
 
+def same_file(a, b) -> bool:
+    """Whether two streams write to one file or pipe (``2>&1``): their text and lines interleave."""
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):
+        return False  # a stream with no file descriptor (io.StringIO) is a file of its own
+
+
 def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) -> dict:
     """Decode the prompt, stream or print it, append the record; returns the JSON document."""
     stdout = stdout or sys.stdout
@@ -136,8 +145,8 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
                                                      dec.model.identity["name"], sampler))
     if opts.json:
         stdout.write(json.dumps(doc) + "\n")
-    elif stdout.isatty():
-        stdout.write("\n")
+    elif stdout.isatty() or same_file(stdout, stderr):
+        stdout.write("\n")  # the stats line starts a line of its own where a reader sees both
     stdout.flush()
     stderr.write(stats_line(gen) + "\n")
     stderr.flush()

@@ -40,6 +40,8 @@ def test_outputs_with_their_own_n_pass(stream, tmp_path):
     res, doc = audit(path)
     assert res.exit_code == 0, res.output
     assert doc["verdict"] == "exact" and doc["counts"]["exact"] == 3
+    assert doc["n_from"].startswith("unused") and [g["max_new_tokens"] for g in doc["generations"]] == [4, 16, 9]
+    assert "N = each line's own" in res.output
     # without the field the short ones stopped early against the longest output's N
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "max_new_tokens"}) + "\n"

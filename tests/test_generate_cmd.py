@@ -251,3 +251,19 @@ def test_a_decoder_that_does_not_sample_is_refused(tiny):
     res = invoke("x", "--model", "tiny", "--decoder", "spec-naive", "--temperature", "0.7")
     assert res.exit_code == 2 and res.stderr.startswith("error: ") and len(res.stderr.strip().splitlines()) == 1
     assert "cannot sample" in res.stderr
+
+
+def test_with_stderr_on_stdout_the_stats_line_is_a_line_of_its_own(tiny, tmp_path):
+    """``2>&1`` into one file: the text, then a newline, then the stats line (with stdout alone
+    in a file the text stays exactly the decoded text, as above)."""
+    out = tmp_path / "both.txt"
+    with out.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "harness", "generate", PROMPT, "-n", "8", "--model", "tiny",
+                               "--device", "cpu", "--decoder", "fast-serial"], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=600)
+    assert proc.returncode == 0
+    tok = tiny.tokenizer.get()
+    want = tok.decode(hf_greedy(tiny, tok.encode(PROMPT), 8), skip_special_tokens=True)
+    text = out.read_text()
+    assert text.startswith(want + "\n") and text.splitlines()[-1].startswith("8 tokens (")
