@@ -13,6 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
+
+from table_inputs import load_json, parse_files, read_all  # noqa: E402
+
 POOL_KEYS = ("seconds", "ms_per_token", "workers")  # the replay fields a pool may change
 
 
@@ -36,14 +40,25 @@ def comparable(doc: dict) -> dict:
     return doc
 
 
-def main(paths: list[str]) -> int:
-    named = sorted(((Path(p).stem, json.loads(Path(p).read_text())) for p in paths if Path(p).is_file()),
-                   key=lambda nd: nd[1]["replay"].get("workers", 1))
-    docs = [d for _, d in named]
-    if not docs:
-        print("no audit.json given")
-        return 1
-    base = docs[0]
+def replay_doc(path: Path) -> tuple[str, dict]:
+    """(name, document) of one audit.json, with every field the table reads."""
+    doc = load_json(path)
+    rp = doc["replay"]
+    missing = ([k for k in ("stream", "verdict") if k not in doc]
+               + [f"replay.{k}" for k in ("device", "tokens_replayed", "seconds", "ms_per_token") if k not in rp])
+    if missing:
+        raise KeyError(missing[0])
+    if not rp["seconds"] > 0:
+        raise ValueError("replay.seconds is not above 0")
+    return path.stem, doc
+
+
+def main(argv: list[str]) -> int:
+    named = read_all(parse_files(__doc__, argv, "AUDIT.json"), replay_doc, "an audit replay document")
+    if named is None:
+        return 2
+    named.sort(key=lambda nd: nd[1]["replay"].get("workers", 1))
+    base = named[0][1]
     base_rate = base["replay"]["tokens_replayed"] / base["replay"]["seconds"]
     rows, agree = [], True
     for name, d in named:

@@ -7,13 +7,16 @@ control-code check and the retime's wall time.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
+
+from table_inputs import load_json, parse_files, read_all  # noqa: E402
+
 
 def row(path: Path) -> str:
-    d = json.loads(path.read_text())
+    d = load_json(path)
     v = d.get("verified") or {}
     ci = f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]" if v.get("ci_low") is not None else "-"
     sandbox = (d.get("sandbox") or {}).get("tool") or "none"
@@ -30,12 +33,14 @@ def row(path: Path) -> str:
             f"{d['seconds']:.0f} |")
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    rows = read_all(parse_files(__doc__, argv, "RETIME.json"), row, "an audit retime document")
+    if rows is None:
+        return 2
     print("| run | candidate | claimed | verified | 95% interval | verified score | verdict | GPU work left (s) | "
           "f_mem | sandbox | control code | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for p in paths:
-        print(row(Path(p)))
+    print("\n".join(rows))
     return 0
 
 

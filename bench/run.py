@@ -101,6 +101,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from core.paths import try_new_file  # noqa: E402
 PY = sys.executable
 SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never the benchmark prompts
 
@@ -228,9 +231,11 @@ def replay_throughput_steps(out: Path, memory_gib: float | None) -> list[Step]:
     steps += [Step(f"audit-w{n}", (PY, "-m", "audit", "replay", str(stream), "--workers", str(n),
                                    "--out", str(out / f"audit-w{n}.json")), ok=(0, 1))
               for n in sorted({n for n in REPLAY_WORKERS if n <= fit} | {fit})]
+    documents = f'"{out}"/audit-w*.json'
     if shutil.which("nvidia-cuda-mps-control"):
         steps.append(mps_replay_step(stream, out, fit))
-    steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py "{out}"/audit-w*.json "{out}"/audit-mps-*.json')))
+        documents += f' "{out}"/audit-mps-w{fit}.json'
+    steps.append(Step("table", ("sh", "-c", f'{PY} bench/replay_table.py {documents}')))
     return steps
 
 
@@ -352,6 +357,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     raise KeyError(name)
 
 
+# sets whose steps need a CUDA GPU (refused up front on a machine without one)
+CUDA_SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "context", "long", "serve", "sampling",
+             "sampling-exact-9b", "retime-9b", "quiet", "replay-throughput", "tests-cuda")
 SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
@@ -413,18 +421,59 @@ def host_description() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
+def cuda_available() -> bool:
+    import torch  # only for the sets that need a GPU: a CPU set starts without it
+
+    return torch.cuda.is_available()
+
+
+def check_out(out: Path) -> str | None:
+    """Why ``--out`` cannot hold a set's results, or None: it must be a directory that takes files."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} exists and is not a directory"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        try_new_file(out)
+    except OSError as exc:
+        return f"--out {out}: cannot write there ({exc.strerror or exc})"
+    return None
+
+
+def check_archive(archive: Path) -> str | None:
+    """Why ``--archive`` cannot be written at the end, or None; checked before any step runs."""
+    if archive.exists():
+        return f"--archive {archive} exists: give a new file name (an existing file is never overwritten)"
+    parent = next((p for p in archive.parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        return f"--archive {archive}: {parent} is not a directory"
+    try:
+        try_new_file(parent)
+    except OSError as exc:
+        return f"--archive {archive}: cannot write under {parent} ({exc.strerror or exc})"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("set", nargs="?", choices=SETS, metavar="SET", help=f"one of: {', '.join(SETS)}")
+    ap.add_argument("set", nargs="?", choices=SETS, metavar="SET",
+                    help=f"one of: {', '.join(SETS)} (these need a CUDA GPU: {', '.join(CUDA_SETS)})")
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
                     help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations")
-    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="limit per step")
+    ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS", help="limit per step")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
-    ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz", help="pack --out into one file at the end")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz",
+                    help="pack --out into this new file at the end (an existing file is never overwritten)")
     ap.add_argument("--list", action="store_true", help="print every set's commands and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.list:
         for name in SETS:
@@ -439,12 +488,20 @@ def main() -> int:
         if args.set not in CONFIGURABLE:
             ap.error(f"--configs applies to {' and '.join(CONFIGURABLE)} only")
         configs = [c for c in args.configs.split(",") if c]
+        if not configs:
+            ap.error("--configs names no configuration")
         unknown = [c for c in configs if c not in CONFIGURABLE[args.set]]
         if unknown:
             ap.error(f"unknown configs for {args.set}: {', '.join(unknown)}; "
                      f"known: {', '.join(CONFIGURABLE[args.set])}")
 
+    if args.set in CUDA_SETS and not cuda_available():
+        ap.error(f"set {args.set} needs a CUDA GPU, and this machine has none "
+                 f"(sets for the CPU: {', '.join(n for n in SETS if n not in CUDA_SETS)})")
     out = args.out.resolve()
+    problem = (check_archive(args.archive.resolve()) if args.archive else None) or check_out(out)
+    if problem:
+        ap.error(problem)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "host.txt").write_text(host_description(), encoding="utf-8")
     print((out / "host.txt").read_text(), end="", flush=True)
@@ -464,8 +521,9 @@ def main() -> int:
             tar.add(out, arcname=out.name)
 
     print(f"\n== {args.set}: steps")
+    width = max(28, *(len(r[0]) for r in results))
     for key, status, seconds, succeeded in results:
-        print(f"  {key:28s} {status:16s} {seconds:7.1f} s{'' if succeeded else '  FAILED'}")
+        print(f"  {key:{width}s} {status:16s} {seconds:7.1f} s{'' if succeeded else '  FAILED'}")
     final = out / "logs" / f"{steps[-1].key}.log"
     print(f"\n== {args.set}: table ({final.relative_to(out)})")
     print(last_table(final.read_text(encoding="utf-8")) if final.is_file() else "(final step did not run)")

@@ -11,6 +11,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
+
+from table_inputs import parse_files, read_all  # noqa: E402
+
 
 def describe(sampler: dict | None) -> str:
     if not sampler or sampler.get("temperature", 0) == 0:
@@ -41,11 +45,13 @@ def row(path: Path) -> str:
             f"{cand['name']}{f' ({args})' if args else ''} | {exact} | {acceptance} | {ratio} |")
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    rows = read_all(sorted(parse_files(__doc__, argv, "STREAM.jsonl")), row, "a harness stream")
+    if rows is None:
+        return 2
     print("| model | sampler | decoder | exact | acceptance | ratio |")
     print("|---|---|---|---|---|---|")
-    for p in sorted(paths):
-        print(row(Path(p)))
+    print("\n".join(rows))
     return 0
 
 

@@ -86,7 +86,7 @@ def test_replay_table_names_each_document_and_compares_all_but_the_pool_fields(t
         doc["replay"].update(workers=workers, seconds=seconds)
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(doc))
-    assert table.main([str(p) for p in paths] + [str(tmp_path / "audit-mps-*.json")]) == 0
+    assert table.main([str(p) for p in paths]) == 0
     out = capsys.readouterr().out
     assert "| audit-w1 | 1 | 96 | 8.0 | 12.0 | 1.00x" in out and "| audit-mps-w7 | 7 | 96 | 1.5 | 64.0 | 5.33x" in out
     doc["verdict"] = "fail"
@@ -148,3 +148,47 @@ def test_the_decode_trace_finds_the_projects_frames_in_a_real_profile():
     assert any(n.endswith(": read") for n in names)
     assert all(a <= b for a, b, _ in frames)
     assert not any(n.startswith("torch/") for n in names)  # only the project's own
+
+
+@pytest.mark.parametrize("script", ["replay_table", "retime_table", "sampling_exact_table"])
+def test_a_table_script_refuses_what_it_cannot_read_in_one_line(tmp_path, capsys, script):
+    table = load(script)
+    with pytest.raises(SystemExit) as stop:
+        table.main(["--help"])
+    assert stop.value.code == 0 and "usage:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        table.main([str(tmp_path / "*" / "x.json")])
+    assert stop.value.code == 2 and "a pattern that matched nothing" in capsys.readouterr().err
+    for content in ("not json", "[1, 2]", '{"replay": {}}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(content)
+        assert table.main([str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {bad}: not ") and "Traceback" not in err[0]
+
+
+def run_main_error(run, capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        run.main(list(argv))
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_run_refuses_before_any_step_what_cannot_work(run, tmp_path, capsys, monkeypatch):
+    """A GPU set on a machine without one, an --out or --archive that cannot be written, an
+    existing archive (never overwritten), an empty --configs, a timeout of 0: one argparse error
+    each, and nothing made."""
+    monkeypatch.setattr(run, "cuda_available", lambda: False)
+    monkeypatch.setattr(run, "run_step", lambda *a: pytest.fail("a step ran"))
+    out = tmp_path / "out"
+    assert "set runtime needs a CUDA GPU" in run_main_error(run, capsys, "runtime", "--out", str(out))
+    (tmp_path / "file").write_text("mine")
+    assert "exists and is not a directory" in run_main_error(run, capsys, "policy", "--out", str(tmp_path / "file"))
+    assert "is never overwritten" in run_main_error(run, capsys, "policy", "--out", str(out),
+                                                    "--archive", str(tmp_path / "file"))
+    assert (tmp_path / "file").read_text() == "mine"
+    assert "cannot write under /proc" in run_main_error(run, capsys, "policy", "--out", str(out),
+                                                        "--archive", "/proc/x.tgz")
+    assert "names no configuration" in run_main_error(run, capsys, "retime-9b", "--out", str(out), "--configs", ",")
+    assert "above 0" in run_main_error(run, capsys, "policy", "--out", str(out), "--timeout", "0")
+    assert not out.exists()
