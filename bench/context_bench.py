@@ -29,6 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
+
+from script_args import fraction, listed, positive_int, run_main  # noqa: E402
+
 SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never these prompts
 CONTEXTS = {"synthetic-9b": (512, 2048, 8192, 16384, 32768), "tiny": (64, 256, 1024)}
 NEW_TOKENS = {"synthetic-9b": 256, "tiny": 16}
@@ -44,23 +48,23 @@ def parse_args(argv=None):
     ap.add_argument("--replot", type=Path, metavar="JSON", help="redraw context.png beside a kept context.json and exit")
     ap.add_argument("--model", default="synthetic-9b")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--contexts", default=None, help="comma-separated context lengths (prompt + N)")
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=None)
+    ap.add_argument("--contexts", type=listed(positive_int), default=None,
+                    help="comma-separated context lengths (prompt + N)")
+    ap.add_argument("-n", "--max-new-tokens", type=positive_int, default=None)
     ap.add_argument("--control-n", type=int, default=None, help="new tokens of the control's legs (0: no control)")
-    ap.add_argument("--alphas", default="0.6,0.85", help="the instrument's acceptance levels")
-    ap.add_argument("--legs", type=int, default=1)
+    ap.add_argument("--alphas", type=listed(fraction), default="0.6,0.85",
+                    help="the instrument's acceptance levels, comma-separated, each 0..1")
+    ap.add_argument("--legs", type=positive_int, default=1)
     ap.add_argument("--shortlist", default=None, help=f"the instruments' draft shortlist (synthetic-9b: {SHORTLIST_9B})")
     args = ap.parse_args(argv)
     if args.replot is not None:
         return args
     if args.out is None:
         ap.error("--out is required (or --replot JSON)")
-    args.contexts = ([int(c) for c in args.contexts.split(",") if c] if args.contexts
-                     else list(CONTEXTS.get(args.model, CONTEXTS["tiny"])))
+    args.contexts = args.contexts or list(CONTEXTS.get(args.model, CONTEXTS["tiny"]))
     args.max_new_tokens = args.max_new_tokens or NEW_TOKENS.get(args.model, 16)
     args.control_n = min(args.max_new_tokens, CONTROL_TOKENS.get(args.model, 16) if args.control_n is None
                          else args.control_n)  # compared with fast-serial's first tokens
-    args.alphas = [float(a) for a in args.alphas.split(",") if a]
     if args.shortlist is None and args.model == "synthetic-9b":
         args.shortlist = SHORTLIST_9B
     if min(args.contexts) <= args.max_new_tokens:
@@ -349,4 +353,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

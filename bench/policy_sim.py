@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
 
 from core.prompts import random_prompts  # noqa: E402
 from decoders.drafter import PREFILL_ROWS, catch_up_sizes, split_rows  # noqa: E402
@@ -55,6 +56,7 @@ from decoders.policy import Calibration, Costs, DepthPolicy  # noqa: E402
 from decoders.spec import PLAIN_RUN  # noqa: E402
 from decoders.trace import Trace  # noqa: E402
 from decoders.trace import load as load_trace  # noqa: E402
+from script_args import fraction, new_output, positive_int, run_main  # noqa: E402
 
 
 @dataclass
@@ -93,6 +95,8 @@ def costs_from(spec: str) -> Costs:
         candidates.append(doc["candidate"].get("config") or {})
     if "configs" in doc:
         configs = doc["configs"]
+        if name and name not in configs:
+            raise SystemExit(f"error: --costs {path}: no configuration {name!r} (it holds {', '.join(configs)})")
         candidates += [configs[name]] if name else list(configs.values())
     candidates.append(doc)
     for cfg in candidates:
@@ -266,16 +270,18 @@ def row(label: str, outs: list[Outcome], costs: Costs) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--costs", required=True, help="a stream or JSON holding costs_s (FILE:CONFIG to pick one)")
-    ap.add_argument("--alpha", type=float, action="append", help="an instrument's acceptance (repeatable)")
+    ap.add_argument("--alpha", type=fraction, action="append", help="an instrument's acceptance, 0..1 (repeatable)")
     ap.add_argument("--trace", action="append", help="an acceptance trace (repeatable)")
-    ap.add_argument("-n", type=int, default=256, help="new tokens per decode (default 256)")
-    ap.add_argument("--prompts", type=int, default=10, help="decodes per row: seeds, or a trace's first rows (default 10)")
+    ap.add_argument("-n", type=positive_int, default=256, help="new tokens per decode (default 256)")
+    ap.add_argument("--prompts", type=positive_int, default=10,
+                    help="decodes per row: seeds, or a trace's first rows (default 10)")
     ap.add_argument("--random-vocab", type=int, default=None, metavar="V",
                     help="a trace's rows for the first --prompts of random-512 at vocabulary V, as the "
                          "instrument picks them (synthetic-9b: 248320); default: its first rows")
-    ap.add_argument("--max-depth", type=int, default=6)
+    ap.add_argument("--max-depth", type=positive_int, default=6)
     ap.add_argument("--depth", type=int, default=None, help="a fixed depth (as spec's depth=), with --stop depth")
     ap.add_argument("--prompt-len", type=int, default=512, help="prices the head's prompt rows (default 512)")
     ap.add_argument("--overhead-ms", type=float, default=0.0, help="added to every drafting round (default 0)")
@@ -287,7 +293,7 @@ def main(argv=None) -> int:
                     help="each verify row past a window's first costs F times as much (default 1)")
     ap.add_argument("--no-carry", action="store_true",
                     help="every decode starts from the policy's built-in prior, not the last decode's acceptance")
-    ap.add_argument("--json", help="write the rows here as JSON")
+    ap.add_argument("--json", type=new_output, help="write the rows here as JSON")
     args = ap.parse_args(argv)
     if not args.alpha and not args.trace:
         ap.error("give --alpha or --trace")
@@ -323,4 +329,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

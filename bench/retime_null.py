@@ -21,10 +21,17 @@ import argparse
 import random
 import statistics
 
+import sys
+from pathlib import Path
+
 import numpy as np
 from scipy import stats
 
 from audit.retime import judge
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: its scripts' shared modules
+
+from script_args import positive_int  # noqa: E402
 
 NOISES = {
     # bursts of other work: an exponential share of the leg's time on top of it
@@ -64,11 +71,11 @@ def simulate(noise, n: int, trials: int, seed: int) -> dict:
             "above": {k: v / (trials * n) for k, v in above.items()}}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=1000)
+    ap.add_argument("--trials", type=positive_int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print("| noise | prompts | ratio > 1, median rule | ratio > 1, first rule | scored, median/boot | "
           "scored, first/order |")
     print("|---|---|---|---|---|---|")

@@ -49,6 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # its scripts' shared modules
+
+from script_args import new_output, positive_int, run_main  # noqa: E402
 
 SHORTLIST_9B = str(ROOT / "bench" / "synthetic9b-shortlist-32k.json")
 SPEC = re.compile(r"spec(?:-d(\d+))?(-uncoupled)?(-lazy|-eager)?")
@@ -208,16 +211,17 @@ def table(summary: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="small,synthetic-9b")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--limit", type=int, default=3, help="prompts per model")
-    ap.add_argument("-n", type=int, default=128, help="new tokens per decode")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--limit", type=positive_int, default=3, help="prompts per model")
+    ap.add_argument("-n", type=positive_int, default=128, help="new tokens per decode")
+    ap.add_argument("--reps", type=positive_int, default=2)
     ap.add_argument("--samplers", default="greedy;qwen-thinking;qwen-instruct")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--configs", default=None, help="decoders (default: the model's, see above)")
-    ap.add_argument("--json", type=Path, default=None, help="write every row and the summary here")
+    ap.add_argument("--configs", default=None, help="decoders, comma-separated (default: the model's, listed below)")
+    ap.add_argument("--json", type=new_output, default=None, help="write every row and the summary here")
     args = ap.parse_args(argv)
     args.samplers = [s.strip() for s in args.samplers.split(";") if s.strip()]
     args.configs = args.configs.split(",") if args.configs else None
@@ -251,4 +255,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

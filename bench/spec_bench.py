@@ -1,8 +1,7 @@
 """Speculative decoding benchmark: every configuration timed against the control, every stream audited.
 
     python bench/spec_bench.py --out DIR [--model synthetic-9b] [--limit 4] [-n 256] [--legs 1]
-                               [--configs fast-serial,spec-naive,spec,inst-0.6,inst-0.85,inst-0.95]
-                               [--shortlist FILE] [--table-only]
+                               [--configs NAME,NAME,...] [--shortlist FILE] [--table-only]
 
 Each configuration is one `harness time` run (candidate vs the serial control, side by side in one
 process) followed by `audit replay` of its stream, in DIR/<config>/ (':' and '/' in a name become
@@ -52,7 +51,7 @@ BASE = {
 }
 SHORTLISTED = {"spec", "inst-0.6", "inst-0.7", "inst-0.85", "inst-0.95"}
 # NAME@fs: the same candidate timed side by side against fast-serial (harness time --control)
-DEFAULT_CONFIGS = [*BASE, *(f"{n}@fs" for n in sorted(SHORTLISTED))]
+DEFAULT_CONFIGS = [*(n for n in BASE if n != "fs-read-first"), *(f"{n}@fs" for n in sorted(SHORTLISTED))]
 TRACE = "inst-trace:"
 SMALL = "small:"  # the built-in small model, on its held-out prompts
 SMALL_PROMPTS = "stdlib-heldout"
@@ -206,16 +205,18 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="synthetic-9b")
     ap.add_argument("--prompts", default="random-512")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
     ap.add_argument("--legs", type=int, default=1)
-    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help="comma-separated configuration names (below); default: " + ",".join(DEFAULT_CONFIGS))
     ap.add_argument("--shortlist", default=None, help="draft shortlist JSON for spec and the instruments")
-    ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--table-only", action="store_true", help="print the table of the runs already in --out")
     ap.add_argument("--no-audit", action="store_true",
                     help="time only; audit later, e.g. every stream at once: audit replay DIR/*/stream.jsonl")
     args = ap.parse_args()
@@ -223,7 +224,10 @@ def main() -> int:
     unknown = [c for c in names if resolve(c) is None]
     if unknown:
         print(f"error: unknown configs {unknown}; known: {', '.join(BASE)}, {TRACE}FILE, {SMALL}NAME, "
-              "each also as NAME@fs", file=sys.stderr)
+              f"NAME{CONF} (spec and the instrument), each also as NAME@fs", file=sys.stderr)
+        return 2
+    if args.table_only and not args.out.is_dir():
+        print(f"error: --out {args.out} is not a directory: there are no runs to tabulate", file=sys.stderr)
         return 2
     traces = {c: resolve(c)["trace"] for c in names}
     missing = [c for c, trace in traces.items() if trace and not Path(trace).is_file()]
