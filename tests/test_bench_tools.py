@@ -192,3 +192,30 @@ def test_run_refuses_before_any_step_what_cannot_work(run, tmp_path, capsys, mon
     assert "names no configuration" in run_main_error(run, capsys, "retime-9b", "--out", str(out), "--configs", ",")
     assert "above 0" in run_main_error(run, capsys, "policy", "--out", str(out), "--timeout", "0")
     assert not out.exists()
+
+
+def test_script_args_refuse_out_of_range_values_and_turn_a_users_mistake_into_one_line(tmp_path, capsys):
+    import argparse
+
+    from core.errors import UserError
+
+    args = load("script_args")
+    assert args.positive_int("3") == 3 and args.fraction("0.6") == 0.6
+    assert args.listed(args.positive_int)("512, 2048,") == [512, 2048]
+    for kind, text in ((args.positive_int, "0"), (args.positive_int, "abc"), (args.fraction, "1.5"),
+                       (args.fraction, "nan"), (args.listed(args.fraction), ",")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            kind(text)
+    (tmp_path / "file").write_text("mine")
+    for bad in (tmp_path / "file" / "x.json", tmp_path, "/proc/x.json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            args.new_output(str(bad))
+    assert args.new_output(str(tmp_path / "x.json")) == tmp_path / "x.json" and not (tmp_path / "x.json").exists()
+
+    def mistaken():
+        raise UserError("model 'bogus' is neither a built-in nor a directory")
+
+    assert args.run_main(mistaken) == 2
+    assert capsys.readouterr().err == "error: model 'bogus' is neither a built-in nor a directory\n"
+    with pytest.raises(ZeroDivisionError):  # a bug stays a traceback
+        args.run_main(lambda: 1 // 0)
