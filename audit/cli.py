@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import click
 
+from core.clirun import OneLineUsageGroup
 from core.version import version_option
 
 from audit.commands.replay import replay_cmd
@@ -28,7 +29,8 @@ from audit.commands.retime import retime_cmd
 from audit.commands.tokens import tokens_cmd
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineUsageGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
     """Independent audit of harness runs: exactness by replay (greedy or under the recorded seeded

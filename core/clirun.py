@@ -32,3 +32,30 @@ def run_command(command: click.Command, argv: list[str] | None, prog_name: str):
 
 def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+class UsageLine(click.ClickException):
+    """A usage error shown as the one ``error:`` line ``run_command`` prints, where click itself
+    runs the command (standalone mode: console scripts, ``python -m``, ``CliRunner``)."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, exc: click.UsageError, prog_name: str):
+        super().__init__(one_line(exc.format_message()))
+        self.path = exc.ctx.command_path if exc.ctx is not None else prog_name
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()} (see {self.path} --help)", file=file, err=file is None)
+
+
+class OneLineUsageGroup(click.Group):
+    """A command group whose commands' usage errors (a value out of range, an unknown option, a
+    missing argument) are one ``error:`` line and exit 2, as every other mistake is."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise UsageLine(exc, ctx.command_path) from None

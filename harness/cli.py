@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from core.clirun import OneLineUsageGroup
 from core.version import version_option
 from harness.commands.generate import generate_cmd
 from harness.commands.list import list_cmd
@@ -15,7 +16,8 @@ from harness.commands.serve import serve_cmd
 from harness.commands.time import time_cmd
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineUsageGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
     """Exact speculative decoding for Qwen3.5: time decoders against the serial control, greedy or

@@ -5,11 +5,13 @@ from pathlib import Path
 
 import click
 
-from core.version import version_option
+from core.clirun import OneLineUsageGroup
 from core.errors import UserError, fail
+from core.version import version_option
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineUsageGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @version_option
 def main():
     """Reports on harness runs: what was timed, how fast, whether it was exact.
