@@ -69,3 +69,18 @@ def test_the_time_path_loads_its_modules_before_the_watch_begins():
             "if m not in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name,argv,words", [
+    ("harness", ["generate", "x", "-n", "0"], "'--max-new-tokens' / '-n': 0 is not in the range x>=1"),
+    ("harness", ["serve", "--queue-size", "0"], "'--queue-size': 0 is not in the range x>=1"),
+    ("harness", ["time", "--bogus"], "No such option '--bogus'"),
+    ("audit", ["replay"], "Missing argument"),
+    ("reports", ["render"], "Missing argument 'RUN_DIR'"),
+])
+def test_a_usage_error_is_one_error_line_naming_help(name, argv, words):
+    result = CliRunner().invoke(groups()[name], argv, prog_name=name)
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.output
+    assert lines[0].endswith(f"(see {name} {argv[0]} --help)")
