@@ -7,6 +7,15 @@ import tempfile
 from pathlib import Path
 
 
+def plain_permissions(path: Path) -> None:
+    """The mode a plain ``open`` or ``mkdir`` would have given ``path`` under this umask: files
+    made by ``mkstemp``/``mkdtemp`` (and some writers, such as safetensors') are private to their
+    owner, which a user's other outputs are not."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def try_new_file(directory: Path, name: str = "probe") -> None:
     """Make and remove an empty file in ``directory``; raises the OSError that refused it."""
     fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".probe", dir=directory)

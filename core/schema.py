@@ -51,6 +51,7 @@ from typing import Callable, Iterator
 import jsonlines
 
 from core.errors import UserError
+from core.paths import plain_permissions
 
 SCHEMA = "qwen35-exact/stream/1"
 KNOWN_SCHEMAS = (SCHEMA,)
@@ -170,9 +171,7 @@ class AtomicJsonlWriter:
 def publish(tmp: Path, path: Path) -> None:
     """Rename a finished temporary file into place, with the permissions a plain ``open`` would
     have given it (``mkstemp`` creates it readable by its owner only)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    plain_permissions(tmp)
     os.replace(tmp, path)
 
 

@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from core.errors import UserError
+from core.paths import plain_permissions
 from core.prompts import Prompt
 from decoders import shortlist as draft_shortlist
 from decoders.drafter import HEAD_FILE, SHORTLIST_FILE  # one name for each file, shared with spec
@@ -506,6 +507,7 @@ def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:
         for name, write in writers.items():
             staged.append((out / f".{name}.tmp", out / name))
             write(staged[-1][0])
+            plain_permissions(staged[-1][0])  # safetensors writes its file private to its owner
         for tmp, final in reversed(staged):  # the head file last
             tmp.replace(final)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -73,7 +74,14 @@ def test_save_and_load_head_round_trip(trained, tmp_path):
     from safetensors.torch import load_file
 
     model, _, res, *_ = trained
-    T.save_head(tmp_path, res["state"], res["shortlist"], res["report"])
+    umask = os.umask(0o022)
+    try:
+        T.save_head(tmp_path, res["state"], res["shortlist"], res["report"])
+    finally:
+        os.umask(umask)
+    # safetensors writes its file private to its owner; the head's files are all as a plain open makes them
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {
+        T.HEAD_FILE: 0o644, T.SHORTLIST_FILE: 0o644, T.REPORT_FILE: 0o644}
     raw = load_file(str(tmp_path / "mtp.safetensors"))
     assert set(raw) == {"mtp." + k for k in model.mtp.state_dict()}
     head = load_head(model, tmp_path)

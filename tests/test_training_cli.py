@@ -240,3 +240,27 @@ def test_init_from_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys, no_run
     lines = _errors(capsys)
     assert len(lines) == 1 and "not a checkpoint directory" in lines[0]
     assert not no_run and not (tmp_path / "o").exists()
+
+
+def test_a_written_checkpoint_has_the_permissions_a_plain_open_gives(tmp_path):
+    """mkdtemp's directory and safetensors' files are private to their owner; the checkpoint is not."""
+    import os
+
+    from safetensors.torch import save_file
+    import torch
+
+    def write(stage):
+        save_file({"w": torch.zeros(2)}, str(stage / "model-00001-of-00001.safetensors"))
+        (stage / "config.json").write_text("{}")
+
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "ckpt"
+        replace_checkpoint(out, write, force=False)
+        assert out.stat().st_mode & 0o777 == 0o755
+        assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+            "model-00001-of-00001.safetensors": 0o644, "config.json": 0o644}
+        outdir.write_text_atomic(out / "quality.json", "{}")
+        assert (out / "quality.json").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
+from core.paths import plain_permissions
 
 MANIFEST_FILE = "corpus_manifest.json"
 OWN_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -72,6 +73,8 @@ def replace_checkpoint(out: Path, write: Callable[[Path], None], force: bool) ->
         raise UserError(f"cannot write --out {str(out)!r}: {exc.strerror or exc}") from None
     try:
         write(stage)
+        for p in (stage, *stage.iterdir()):  # mkdtemp's directory and some writers' files are private
+            plain_permissions(p)
         written = sorted(p.name for p in stage.iterdir())
         assert all(own_name(n) for n in written), f"an export wrote files of unknown names: {written}"
         if fresh:
@@ -96,6 +99,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        plain_permissions(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
