@@ -16,6 +16,26 @@ def plain_permissions(path: Path) -> None:
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
+def check_new_output(path: Path, force: bool, flag: str = "--out") -> Path:
+    """Refuse, before any work, an output file that cannot be written or would replace one the
+    user has (unless ``force``): ``UserError`` naming ``flag``."""
+    from core.errors import UserError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {str(path)!r} exists; pass --force to replace it")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist")
+    try:
+        try_new_file(parent, path.name)
+    except OSError as exc:
+        raise UserError(f"{flag} {str(path)!r}: cannot write under {str(parent)!r} ({exc.strerror or exc})") from None
+    return path
+
+
 def try_new_file(directory: Path, name: str = "probe") -> None:
     """Make and remove an empty file in ``directory``; raises the OSError that refused it."""
     fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".probe", dir=directory)

@@ -62,7 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=32768)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 1 or args.size < 1:
+        print("error: -n and --size must be >= 1", file=sys.stderr)
+        return 2
 
     # torch and the model code load after the arguments parse (start-up time), and after pin()
     from core import determinism
@@ -75,8 +79,12 @@ def main(argv=None) -> int:
     from core.prompts import load_prompts
     from core.schema import write_json_atomic
 
+    from core.devices import check_device
+    from core.paths import check_new_output
+
     try:
-        model = load_model(args.model, args.device)
+        check_new_output(args.out, args.force)
+        model = load_model(args.model, check_device(args.device))
         prompts, info = load_prompts(args.prompts, model)
         data = build(model, prompts, args.max_new_tokens, min(args.size, model.vocab_size),
                      lambda i, n: print(f"generated {i}/{n}", file=sys.stderr))

@@ -46,8 +46,10 @@ import torch
 import transformers
 
 from core import determinism
+from core.devices import check_device
 from core.errors import UserError
 from core.models import load_model
+from core.paths import check_new_output
 from core.prompts import load_prompts
 from core.sampling import Sampler, SamplerError
 from core.schema import write_json_atomic
@@ -365,6 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-top-k", type=int, default=4, metavar="K",
                     help="record each position's rank among the head's K best at depth 1 (0: none)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = ap.parse_args(argv)
 
     determinism.pin()  # before anything starts CUDA
@@ -372,15 +375,15 @@ def main(argv=None) -> int:
     try:
         if args.limit is not None and args.limit < 1:
             raise UserError("--limit must be >= 1")
-        if args.out.is_dir():
-            raise UserError(f"--out {str(args.out)!r} is a directory; give a file name")
+        check_new_output(args.out, args.force)
+        device = check_device(args.device)
         if args.uncoupled and args.sampling is None:
             raise UserError("--uncoupled needs --sampling")
         try:
             sampler = Sampler.parse(args.sampling) if args.sampling is not None else None
         except SamplerError as exc:
             raise UserError(f"--sampling: {exc}") from None
-        model = load_model(args.model, args.device)
+        model = load_model(args.model, device)
         model.require_mtp("trace")
         prompts, info = load_prompts(args.prompts, model, args.limit)
         data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,

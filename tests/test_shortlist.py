@@ -51,3 +51,18 @@ def test_bad_shortlist_files_are_user_errors(tmp_path, tiny):
             path.write_text(text)
         with pytest.raises(UserError, match=name):
             SpecDecoder(depth=2, shortlist=str(path)).prepare(tiny)
+
+
+def test_cli_checks_out_and_device_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import core.models
+
+    monkeypatch.setattr(core.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    mine = tmp_path / "mine.json"
+    mine.write_text("my notes")
+    for argv, words in ((["--out", str(mine)], "exists; pass --force"), (["--out", str(tmp_path)], "is a directory"),
+                        (["--out", "/proc/x.json"], "cannot write under"),
+                        (["--out", str(tmp_path / "s.json"), "--device", "gpu"], "is not available"),
+                        (["-n", "0", "--out", str(tmp_path / "s.json")], "must be >= 1")):
+        assert main(["--model", "tiny", *argv]) == 2
+        assert words in capsys.readouterr().err
+    assert mine.read_text() == "my notes"

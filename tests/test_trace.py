@@ -324,3 +324,16 @@ def test_confidences_are_recorded_per_draft_and_steer_the_instruments_confidence
             else:
                 emitted += 1
     assert deep > 3
+
+
+def test_cli_refuses_an_existing_or_unwritable_out_and_a_bad_device_before_the_model_loads(tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(T, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    mine = tmp_path / "mine.json"
+    mine.write_text("my notes")
+    for argv, words in ((["--out", str(mine)], "exists; pass --force"),
+                        (["--out", "/proc/x.json"], "cannot write under"),
+                        (["--out", str(tmp_path / "t.json"), "--device", "gpu"], "is not available")):
+        assert T.main(["--model", "tiny", *argv]) == 2
+        assert words in capsys.readouterr().err
+    assert mine.read_text() == "my notes"
