@@ -2,6 +2,8 @@
 ``main(argv)`` callers use it), and bad usage is one ``error:`` line with exit status 2."""
 from __future__ import annotations
 
+import math
+
 import click
 from click.exceptions import NoArgsIsHelpError
 
@@ -59,3 +61,14 @@ class OneLineUsageGroup(click.Group):
             raise
         except click.UsageError as exc:
             raise UsageLine(exc, ctx.command_path) from None
+
+
+class FiniteFloat(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses nan and inf, which pass its bounds (every comparison
+    with nan is false) and would only fail when the document is written, after the work."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number

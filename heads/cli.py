@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import run_command
+from core.clirun import FiniteFloat, run_command
 from core.version import version_option
 from heads.run import TrainRequest, run_train
 
@@ -44,7 +44,7 @@ def heads():
               help="Greedy tokens generated per prompt.")
 @click.option("--steps", type=POSITIVE, default=200, show_default=True,
               help="Optimizer steps at most (early stopping may end sooner).")
-@click.option("--lr", type=click.FloatRange(min=0), default=3e-4, show_default=True,
+@click.option("--lr", type=FiniteFloat(min=0), default=3e-4, show_default=True,
               help="AdamW learning rate of the fp32 head copy.")
 @click.option("--eval-every", type=POSITIVE, default=50, show_default=True,
               help="Steps between evaluations (dev loss, held-out acceptance).")

@@ -343,3 +343,11 @@ def test_safetensors_write_error_is_one_line(tmp_path, capsys, monkeypatch):
     lines = _errors(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: cannot write the head to ") and "Read-only" in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_learning_rate_that_is_not_finite_is_a_usage_error_before_any_work(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setattr(core.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert cli.main(["train", "--model", "tiny", "--lr", value, "--out", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a finite number" in err[0] and not (tmp_path / "h").exists()

@@ -264,3 +264,18 @@ def test_a_written_checkpoint_has_the_permissions_a_plain_open_gives(tmp_path):
         assert (out / "quality.json").stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(umask)
+
+
+def test_an_out_nothing_can_be_written_under_is_refused_before_any_work(monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("it trained"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*SMOKE, "--out", "/proc/qwen35-x"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("option", ["--weight-decay", "--minutes", "--max-epochs", "--unloop-lr"])
+def test_a_number_that_is_not_finite_is_a_usage_error(monkeypatch, tmp_path, option):
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("it trained"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*SMOKE, "--out", str(tmp_path / "o"), option, "nan"])
+    assert exc.value.code == 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import run_command
+from core.clirun import FiniteFloat, run_command
 from core.errors import UserError, fail
 from core.version import version_option
 from training.model import PRESETS, require_checkpoint
@@ -64,7 +64,7 @@ def _preset(field: str) -> str:
               help="Train nothing: measure --out's checkpoint as a run would (quality.remeasured.json).")
 @click.option("--smoke", is_flag=True, show_default=True,
               help="CPU-sized run: small config, corpus slice, few steps.")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--minutes", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default="5.5, or none with --smoke", help="Cap on training time, before the unloop fine-tune.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               show_default="the preset's: smoke 8; small planned, up to --max-epochs, lowered to fit --minutes",
@@ -78,15 +78,15 @@ def _preset(field: str) -> str:
               help="Held-out prompts for quality.")
 @click.option("--no-spec-check", is_flag=True, show_default=True,
               help="Skip decoding the quality prompts with `spec` too.")
-@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
+@click.option("--dropout", type=FiniteFloat(min=0, max=1, max_open=True), default=None,
               show_default=_preset("dropout"), help="Residual dropout.")
-@click.option("--weight-decay", type=click.FloatRange(min=0), default=None, show_default=_preset("weight_decay"),
+@click.option("--weight-decay", type=FiniteFloat(min=0), default=None, show_default=_preset("weight_decay"),
               help="AdamW weight decay.")
-@click.option("--max-epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--max-epochs", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default=_preset("max_epochs"), help="Passes over the train split that planned steps never exceed.")
 @click.option("--unloop-steps", type=click.IntRange(min=0), default=None, show_default=_preset("unloop_steps"),
               help="Updates of the sequence-level unlikelihood fine-tune against greedy loops, after training.")
-@click.option("--unloop-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--unloop-lr", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default=_preset("unloop_lr"), help="The unloop fine-tune's learning rate.")
 @click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="CKPT",
               show_default="none: train from scratch",

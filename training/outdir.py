@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from core.paths import plain_permissions
+from core.paths import plain_permissions, try_new_file
 
 MANIFEST_FILE = "corpus_manifest.json"
 OWN_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -43,12 +43,26 @@ def foreign_entries(out: Path) -> list[str]:
     return [p.name for p in entries if p.name not in own]
 
 
+def probe(out: Path, directory: Path) -> None:
+    try:
+        try_new_file(directory, "training")
+    except OSError as exc:
+        raise UserError(f"cannot write --out {str(out)!r} (under {str(directory)!r}: {exc.strerror or exc})") from None
+
+
 def check_out(out: Path, force: bool) -> None:
-    """Refuse, before any work, an ``out`` this run may not write."""
+    """Refuse, before any work, an ``out`` this run may not write: one it could not make or fill
+    (tried with a probe file, as ``os.access`` says yes to root on /proc or a read-only mount), or
+    one holding files of other names (unless ``force``)."""
     if not out.exists() and not out.is_symlink():
+        parent = next((p for p in out.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir():
+            raise UserError(f"cannot write --out {str(out)!r}: {str(parent)!r} is not a directory")
+        probe(out, parent)
         return
     if not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory")
+    probe(out, out)
     foreign = foreign_entries(out)
     if foreign and not force:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

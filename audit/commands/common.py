@@ -2,7 +2,6 @@
 options parsed alike (``--sampling``, ``--device``)."""
 from __future__ import annotations
 
-import math
 import signal
 import sys
 import threading
@@ -10,6 +9,7 @@ from collections.abc import Callable
 
 import click
 
+from core.clirun import FiniteFloat  # noqa: F401  (the audit commands' import of it)
 from core.errors import DistError, Stopped, UserError, fail
 
 
@@ -66,14 +66,3 @@ def check_device_option(device: str | None) -> None:
     from core.devices import check_device  # torch loads only when a command runs
 
     check_device(device)
-
-
-class FiniteFloat(click.FloatRange):
-    """A ``click.FloatRange`` that also refuses nan and inf, which pass its bounds (every comparison
-    with nan is false) and would only fail when the document is written, after the work."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number

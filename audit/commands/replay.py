@@ -31,7 +31,7 @@ from audit.commands.common import FiniteFloat, check_device_option, run_command
               help="Replay N prompts at once in N worker processes on the one device, each with its own copy "
                    "of the model (N times its memory: about 19 GB a worker at the 9B shape) and its own "
                    "pristine serial path. Results are a lone replay's, bit for bit. 1: in this process.")
-@click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True), default=1800, show_default=True,
+@click.option("--dist-timeout", type=FiniteFloat(min=0, min_open=True), default=1800, show_default=True,
               metavar="SECONDS",
               help="Under torchrun, or with --workers above 1: a rank or worker that shows no progress for "
                    "this long is taken as hung; the audit then fails (exit 2) naming it and its prompt, and "

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from core.clirun import FiniteFloat
 from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
@@ -52,7 +53,7 @@ from harness.run import run_time
                    "sample (sampling = True in its class).")
 @click.option("--report", is_flag=True, help="After writing the stream, also render DIR/report.md and "
               "DIR/figures/ (as `reports render DIR` does).")
-@click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True), default=TimeOptions.dist_timeout,
+@click.option("--dist-timeout", type=FiniteFloat(min=0, min_open=True), default=TimeOptions.dist_timeout,
               show_default=True, metavar="SECONDS",
               help="Under torchrun only: a rank that shows no progress (starts no new prompt and does not "
                    "finish) for this long is taken as hung; the run then fails with a message naming the "
