@@ -667,6 +667,16 @@ def test_fewer_fresh_prompts_than_an_interval_needs_is_bad_input(fast_serial_str
         f"error: --prompts {FRESH - 1}: a 95% interval for the median ratio needs at least {FRESH} fresh prompts")
 
 
+def test_an_n_beyond_the_models_context_is_bad_input_before_any_worker_starts(fast_serial_stream, tmp_path):
+    """A worker sized for it would hold memory for every position; tiny's context is 4096."""
+    stream = copy_stream(fast_serial_stream, tmp_path / "huge")
+    for n, words in (("100000000", "-n 100000000: beyond the model's context of 4096"),
+                     ("4090", "the longest fresh prompt + N = ")):
+        result, doc = run_retime(stream, "-n", n)
+        assert result.exit_code == 2 and doc is None, result.output
+        assert words in result.stderr.strip().splitlines()[-1] and "worker" not in result.output
+
+
 def test_worker_that_cannot_start_is_bad_input(fast_serial_stream, tmp_path):
     from audit_helpers import copy_stream, read_records, write_records
 

@@ -98,6 +98,9 @@ def retime(opts: RetimeOptions) -> int:
     if mismatch:
         raise BadInput(f"{mismatch[0]['message']}; retime with the stream's own model (--model)")
     n = opts.max_new_tokens or run.max_new_tokens
+    context = getattr(model.text_config, "max_position_embeddings", None)
+    if context is not None and n >= context:  # before any worker sizes itself for it
+        raise BadInput(f"-n {n}: beyond the model's context of {context} positions (a prompt needs one more)")
     warmup = run.header.get("warmup_tokens")
     per_prompt, claimed = checks.recompute_ratios(run.prompts)
     ctx = Context(opts, run, path, out_path, hashlib.sha256(path.read_bytes()).hexdigest(), seed, dev,
@@ -118,6 +121,10 @@ def retime(opts: RetimeOptions) -> int:
         return finish(ctx, Outcome(**base(ctx), source=None, verdict="unverified", findings=findings, verified=None,
                                    instrument=run.header["candidate"].get("instrument") is True,
                                    unverified_reason=f"no fresh prompts: {exc}"))
+    longest = longest_request(draw, n)
+    if context is not None and longest > context:
+        raise BadInput(f"-n {n}: the longest fresh prompt + N = {longest} positions, beyond the model's context of "
+                       f"{context}; give a smaller -n")
     return measure_and_judge(ctx, model, sides, draw, findings)
 
 
