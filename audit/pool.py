@@ -20,6 +20,8 @@ CUDA cannot be forked) and import ``core`` and ``audit`` only.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import multiprocessing
 import sys
@@ -44,6 +46,14 @@ class PoolOptions:
 
     workers: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def for_walks(self, walks: int, log=None) -> "PoolOptions":
+        """No more workers than there are walks to hand out: each is a whole model loaded."""
+        if self.workers <= max(1, walks):
+            return self
+        if log:
+            log(f"--workers {self.workers}: {walks} walk(s) to hand out, so {max(1, walks)} worker(s)")
+        return dataclasses.replace(self, workers=max(1, walks))
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,14 @@ def replay_run(walker, run, log=None, bar=None) -> tuple[dict[str, PromptReplay]
     return {p.id: out[p.id] for p in run.prompts}, total, time.perf_counter() - t0
 
 
+def planned_walks(runs: list, shared: bool = False) -> int:
+    """How many walks the replay of ``runs`` hands out: one per prompt, or with ``shared`` one per
+    distinct (prompt, N, sampler), as ``replay_shared`` walks them."""
+    if not shared:
+        return sum(len(run.prompts) for run in runs)
+    return len({(tuple(p.token_ids), run.max_new_tokens, run.sampler) for run in runs for p in run.prompts})
+
+
 def planned_positions(runs: list, shared: bool = False) -> int:
     """The positions the replay of ``runs`` computes at most: the progress bar's total. ``shared``:
     each distinct (prompt, N) counts once, as ``replay_shared`` walks it."""

@@ -18,7 +18,7 @@ from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, check_prompt_i
                             pin_replay_environment, replay_device_json, replay_info)
 from audit.pool import DEFAULT_TIMEOUT_S, PoolOptions, replay_walker
 from audit.progress import Progress
-from audit.replay import planned_positions, replay_run, replay_shared
+from audit.replay import planned_positions, planned_walks, replay_run, replay_shared
 from audit.report import divergence_findings, printable
 from audit.sharded import audit_sharded
 from audit.stream import BadInput, Run, load_run, resolve_stream_path
@@ -92,17 +92,18 @@ def audit_stream(opts: ReplayOptions) -> int:
     check_writable(out_path)
 
     replayed, tokens, seconds = None, 0, 0.0
+    pool = opts.pool.for_walks(planned_walks([run]), log)
     if not model_findings:  # replaying with another model would only report noise
         log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
             f"on {replay_dev['name']} ...")
-        with replay_walker(model, opts.model or model_spec_from_header(run.header), dev, opts.pool, log) as walker, \
+        with replay_walker(model, opts.model or model_spec_from_header(run.header), dev, pool, log) as walker, \
                 Progress(planned_positions([run]), "replay", log) as bar:
             replayed, tokens, seconds = replay_run(walker, run, bar.log, bar=bar)
         findings += divergence_findings(run, replayed)
     else:
         log("not replayed: the model is not the one that recorded the stream")
     return finish(run, path, out_path, findings, replayed,
-                  replay_info([replay_dev], tokens, seconds, opts.workers), model.identity, opts.score_params)
+                  replay_info([replay_dev], tokens, seconds, pool.workers), model.identity, opts.score_params)
 
 
 def prepare_job(path: Path, models: dict, opts: ReplayOptions) -> Job:
@@ -145,6 +146,7 @@ def audit_streams(opts: ReplayOptions) -> int:
         check_writable(path.parent / "audit.json")
 
     replays: dict[int, tuple] = {}
+    workers: dict[int, int] = {}  # per job: the workers its replay ran on
     for key, model in models.items():
         members = [i for i, job in enumerate(jobs) if job.model_key == key and job.replays]
         if not members:
@@ -152,7 +154,9 @@ def audit_streams(opts: ReplayOptions) -> int:
         log(f"replaying {len(members)} stream(s) with {key[0]} on {jobs[members[0]].replay_device['name']}, "
             "each distinct prompt once ...")
         member_runs = [jobs[i].run for i in members]
-        with replay_walker(model, key[0], key[1], opts.pool, log) as walker, \
+        pool = opts.pool.for_walks(planned_walks(member_runs, shared=True), log)
+        workers.update((i, pool.workers) for i in members)
+        with replay_walker(model, key[0], key[1], pool, log) as walker, \
                 Progress(planned_positions(member_runs, shared=True), "replay", log) as bar:
             for i, result in zip(members, replay_shared(walker, member_runs, bar.log, bar)):
                 replays[i] = result
@@ -165,7 +169,7 @@ def audit_streams(opts: ReplayOptions) -> int:
             findings = findings + divergence_findings(job.run, replayed)
         click.echo(printable(f"\n== {job.path}"))
         codes.append(finish(job.run, job.path, job.path.parent / "audit.json", findings, replayed,
-                            replay_info([job.replay_device], tokens, seconds, opts.workers),
+                            replay_info([job.replay_device], tokens, seconds, workers.get(i, 1)),
                             models[job.model_key].identity, opts.score_params))
     failed = [str(p) for p, c in zip(paths, codes) if c != EXIT_PASS]
     click.echo(printable(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +

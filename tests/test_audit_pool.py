@@ -208,3 +208,21 @@ def test_workers_on_one_gpu_equal_the_lone_replay_bit_for_bit(diverging_stream, 
         assert result.exit_code in (0, 1) and doc is not None, result.output
         docs.append(doc)
     assert differences(without_pool(docs[0]), without_pool(docs[1])) == []
+
+
+def test_no_more_workers_start_than_there_are_walks(exact_stream, tmp_path):
+    """Each worker is a whole model: --workers 9 on a stream of 3 prompts starts 3."""
+    result, doc = run_audit(exact_stream, "--workers", "9", out=tmp_path / "audit-9.json")
+    assert result.exit_code == 0 and doc["replay"]["workers"] == 3, result.output
+    assert "--workers 9: 3 walk(s) to hand out, so 3 worker(s)" in result.output
+    assert "starting 3 replay workers" in result.output
+
+
+def test_planned_walks_count_prompts_or_shared_walks():
+    from types import SimpleNamespace as NS
+
+    from audit.replay import planned_walks
+
+    a = NS(prompts=[NS(token_ids=[1, 2]), NS(token_ids=[3])], max_new_tokens=8, sampler=None)
+    b = NS(prompts=[NS(token_ids=[1, 2])], max_new_tokens=8, sampler=None)
+    assert planned_walks([a]) == 2 and planned_walks([a, b]) == 3 and planned_walks([a, b], shared=True) == 2

@@ -16,7 +16,7 @@ from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, check_writable
                             log, model_spec_from_header, pin_replay_environment, replay_device_json)
 from audit.processes import GpuWatch, set_subreaper, tree_control
 from audit.pool import PoolOptions, replay_walker
-from audit.replay import replay_run
+from audit.replay import planned_walks, replay_run
 from audit.report import divergence_findings, write_document
 from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings,
                                  header_findings, process_findings, stop_findings, too_noisy, verified_figures,
@@ -231,7 +231,8 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     findings += squeeze_findings(timed)
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
-    with replay_walker(model, ctx.model_spec, ctx.device, PoolOptions(workers=ctx.opts.workers), log) as walker:
+    pool = PoolOptions(workers=ctx.opts.workers).for_walks(planned_walks([fresh_run]), log)
+    with replay_walker(model, ctx.model_spec, ctx.device, pool, log) as walker:
         replayed, _, _ = replay_run(walker, fresh_run, log)
     findings += divergence_findings(fresh_run, replayed)
     for p in timed:
