@@ -3,6 +3,7 @@ replay device, loading the replay model, every replay-free finding, and writing 
 """
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import sys
@@ -138,7 +139,27 @@ def check_out_path(out_path: Path, stream: Path, name: str = "audit.json") -> Pa
         raise BadInput(f"--out {out_path} is a directory; name the file to write (e.g. {out_path / name})")
     if out_path.resolve() == stream.resolve():
         raise BadInput(f"--out {out_path} is the stream itself")
+    check_replaceable(out_path)
     return out_path
+
+
+AUDIT_SCHEMAS = ("qwen35-exact/audit/", "qwen35-exact/retime/", "qwen35-exact/tokens-audit/")
+
+
+def check_replaceable(out_path: Path) -> None:
+    """An existing ``out_path`` is replaced only when it is an audit's own document (an earlier
+    audit.json, retime.json or tokens audit): anything else, a stream included, is the user's."""
+    if not out_path.is_file():
+        return
+    try:
+        with open(out_path, encoding="utf-8") as fh:
+            doc = json.loads(fh.read(64 << 20))
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        schema = None
+    if not (isinstance(schema, str) and schema.startswith(AUDIT_SCHEMAS)):
+        raise BadInput(f"--out {out_path} exists and is not an audit document: it is not replaced; "
+                       "choose another --out, or move it away first")
 
 
 def check_writable(out_path: Path) -> None:

@@ -620,7 +620,7 @@ def read_inputs(opts: TokensOptions) -> Inputs:
 def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     """The whole `audit tokens`; returns the exit code. Bad input raises UserError before anything
     is written."""
-    from audit.pipeline import check_writable, pin_replay_environment  # determinism.pin() before CUDA
+    from audit.pipeline import check_replaceable, check_writable, pin_replay_environment  # pin() before CUDA
 
     pin_replay_environment()
     if dist.topology().active:
@@ -643,6 +643,7 @@ def run_tokens_audit(opts: TokensOptions, log=None) -> int:
     if n < 1:
         raise UserError(f"{path}: every output is empty; give -n to audit them against N tokens")
     if out_path is not None:
+        check_replaceable(out_path)
         check_writable(out_path)
     partings = {}
     for g in gens:

@@ -50,3 +50,27 @@ def test_an_out_path_of_dash_or_a_directory_is_refused_with_the_documents_own_na
         check_out_path(Path("-"), stream)
     with pytest.raises(BadInput, match="retime.json"):
         check_out_path(tmp_path, stream, "retime.json")
+
+
+def test_an_existing_out_is_replaced_only_when_it_is_an_audits_own_document(tmp_path):
+    """Another run's stream, or any file of the user's, given as --out is refused; an earlier
+    audit.json is replaced."""
+    import shutil
+
+    from audit_helpers import run_audit, run_harness
+
+    stream = run_harness(tmp_path / "run", "fast-serial", limit=1, n=6, legs=1)
+    other = tmp_path / "other" / "stream.jsonl"
+    other.parent.mkdir()
+    shutil.copy(stream, other)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out in (other, notes):
+        before = out.read_bytes()
+        result, _ = run_audit(stream, out=out)
+        assert result.exit_code == 2 and "exists and is not an audit document" in result.output, result.output
+        assert out.read_bytes() == before
+    result, doc = run_audit(stream, out=tmp_path / "a.json")
+    assert result.exit_code == 0 and doc["verdict"] == "pass"
+    result, again = run_audit(stream, out=tmp_path / "a.json")
+    assert result.exit_code == 0 and again["verdict"] == "pass"
