@@ -67,7 +67,7 @@ def test_an_existing_out_is_replaced_only_when_it_is_an_audits_own_document(tmp_
     notes.write_text("mine")
     for out in (other, notes):
         before = out.read_bytes()
-        result, _ = run_audit(stream, out=out)
+        result = CliRunner().invoke(audit_main, ["replay", str(stream), "--out", str(out)])
         assert result.exit_code == 2 and "exists and is not an audit document" in result.output, result.output
         assert out.read_bytes() == before
     result, doc = run_audit(stream, out=tmp_path / "a.json")
