@@ -19,6 +19,7 @@ from harness.load import busy_warning, machine_load
 from harness.options import TimeOptions
 from harness.prepare import Setup, prepare_run
 from harness.progress import Progress
+from harness.outputs import note_stale_documents
 from harness.sharded import run_time_sharded
 from harness.table import render_table
 from harness.timed import legs_only, time_one, warn_violations
@@ -117,4 +118,6 @@ def time_in_one_process(setup: Setup, header: dict, stream_path: Path, opts: Tim
         writer.commit()
     click.echo(render_table(summaries, median_ratio, candidate.name))
     click.echo(f"wrote {stream_path}  (check it: audit replay {stream_path})")
+    note_stale_documents(stream_path)
     return stream_path
+

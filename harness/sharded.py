@@ -13,6 +13,7 @@ from core.errors import UserError
 from core.schema import AtomicJsonlWriter, dumps
 from harness.header import build_header, prompt_record, rank_info
 from harness.options import TimeOptions
+from harness.outputs import note_stale_documents
 from harness.prepare import Setup, prepare_run
 from harness.load import busy_warning
 from harness.timed import legs_only, time_one, warn_violations
@@ -144,4 +145,5 @@ def write_merged(stream_path: Path, header: dict, violations: list[dict], entrie
         writer.commit()
     click.echo(render_table(summaries, median_ratio, setup.candidate.name))
     click.echo(f"wrote {stream_path} from {header['world_size']} ranks  (check it: audit replay {stream_path})")
+    note_stale_documents(stream_path)
     return stream_path

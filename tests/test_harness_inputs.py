@@ -69,3 +69,13 @@ def test_a_decode_beyond_the_models_context_is_refused_before_timing(tmp_path):
     line = one_error_line(result)
     assert "beyond model tiny's context of 4096" in line and "+ N 4096" in line
     assert not out.exists()
+
+
+def test_replacing_a_stream_notes_the_audit_of_the_one_before(tmp_path):
+    result, out = time_cmd(tmp_path)
+    assert result.exit_code == 0, result.output
+    (out / "audit.json").write_text("{}")
+    import os
+    os.utime(out / "audit.json", (1, 1))  # older than any stream written now
+    result, _ = time_cmd(tmp_path, "--force")
+    assert result.exit_code == 0 and "note: audit.json in" in result.output and "audit the new one again" in result.output
