@@ -71,7 +71,9 @@ def load_replay_model(run, model_spec: str | None, dev: str):
     try:
         model = load_model(spec, dev)
     except UserError as exc:
-        raise UserError(f"cannot load model {spec!r} to replay with: {exc}") from None
+        hint = ("; if that checkpoint has moved, give its directory now with --model DIR"
+                if model_spec is None and not Path(spec).exists() and ("/" in spec or "\\" in spec) else "")
+        raise UserError(f"cannot load model {spec!r} to replay with: {exc}{hint}") from None
     check_prompt_ids(run, model.vocab_size, getattr(model.text_config, "max_position_embeddings", None))
     return model
 
