@@ -74,3 +74,17 @@ def test_an_existing_out_is_replaced_only_when_it_is_an_audits_own_document(tmp_
     assert result.exit_code == 0 and doc["verdict"] == "pass"
     result, again = run_audit(stream, out=tmp_path / "a.json")
     assert result.exit_code == 0 and again["verdict"] == "pass"
+
+
+def test_a_moved_checkpoint_is_named_with_the_option_that_finds_it(tmp_path):
+    from types import SimpleNamespace
+
+    from audit.pipeline import load_replay_model
+    from core.errors import UserError
+
+    run = SimpleNamespace(header={"model": {"name": str(tmp_path / "gone" / "tiny")}})
+    with pytest.raises(UserError, match="has moved, give its directory now with --model DIR"):
+        load_replay_model(run, None, "cpu")
+    with pytest.raises(UserError) as given:  # a --model the user gave is not second-guessed
+        load_replay_model(run, str(tmp_path / "typo"), "cpu")
+    assert "--model DIR" not in str(given.value)
