@@ -3,6 +3,7 @@ decode, a decode within it builds nothing, one past the old default of 4096 posi
 and ``harness time`` flags a leg whose decode built a runtime."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -131,6 +132,10 @@ def test_harness_time_flags_a_runtime_built_inside_a_timed_leg(tmp_path):
 
 def test_the_api_grows_a_decoder_before_the_generation_clock_starts(endless, long_case):
     prompt, want = long_case
+    # the API refuses positions past the model's context (tiny's: 4096): this one declares 8192
+    config = copy.copy(endless.text_config)
+    config.max_position_embeddings = 8192
+    endless = dataclasses.replace(endless, text_config=config)
     fast = FastSerialDecoder()
     fast.prepare(endless)
     seen = []  # the runtimes built so far, at each read of the generation's clock
@@ -148,8 +153,8 @@ def test_the_api_grows_a_decoder_before_the_generation_clock_starts(endless, lon
 
 
 def test_open_decoder_sizes_for_max_positions():
-    dec = open_decoder("tiny", "fast-serial", device="cpu", max_positions=5000)
-    assert dec.decoder.runtime.capacity == sizing.capacity_for(5001)
+    dec = open_decoder("tiny", "fast-serial", device="cpu", max_positions=4096)  # tiny's whole context
+    assert dec.decoder.runtime.capacity == sizing.capacity_for(4097) > sizing.DEFAULT_CAPACITY
     with pytest.raises(UserError, match="max_positions"):
         open_decoder("tiny", "fast-serial", device="cpu", max_positions=0)
 
