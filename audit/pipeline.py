@@ -17,7 +17,7 @@ from core import determinism
 from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
-from core.paths import try_new_file
+from core.paths import nearest_existing, try_new_file
 from core.prompts import load_prompts, parse_corpus_spec
 
 from audit import checks
@@ -169,8 +169,7 @@ def check_writable(out_path: Path) -> None:
     nearest one that exists when it is still to be made, refuses a new file), so a long replay
     never ends in an unwritable path. Tried with a probe file, not asked of ``os.access`` (which
     says yes to root on a read-only mount or a kernel file system); leaves nothing behind."""
-    parent = Path(out_path).parent
-    existing = next((a for a in (parent, *parent.parents) if a.exists()), Path("."))
+    existing = nearest_existing(Path(out_path).parent)
     if not existing.is_dir():
         raise BadInput(f"cannot write {out_path}: {existing} is not a directory")
     try:

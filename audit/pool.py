@@ -21,7 +21,6 @@ CUDA cannot be forked) and import ``core`` and ``audit`` only.
 from __future__ import annotations
 
 import dataclasses
-
 import gc
 import multiprocessing
 import sys

@@ -103,7 +103,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from core.paths import try_new_file  # noqa: E402
+from core.paths import nearest_existing, try_new_file  # noqa: E402
 PY = sys.executable
 SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never the benchmark prompts
 
@@ -450,8 +450,8 @@ def check_archive(archive: Path) -> str | None:
     """Why ``--archive`` cannot be written at the end, or None; checked before any step runs."""
     if archive.exists():
         return f"--archive {archive} exists: give a new file name (an existing file is never overwritten)"
-    parent = next((p for p in archive.parents if p.exists()), None)
-    if parent is None or not parent.is_dir():
+    parent = nearest_existing(archive.parent)
+    if not parent.is_dir():
         return f"--archive {archive}: {parent} is not a directory"
     try:
         try_new_file(parent)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from core.errors import UserError  # noqa: E402
-from core.paths import try_new_file  # noqa: E402
+from core.paths import check_new_output  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -47,18 +47,12 @@ def listed(kind: Callable[[str], object]) -> Callable[[str], list]:
 
 
 def new_output(text: str) -> Path:
-    """A file to write at the end: its directory must take a file now, so the work is not lost."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{parent} is not a directory")
+    """A file to write at the end (replaced if it exists): its directory must take a file now, so
+    the work is not lost."""
     try:
-        try_new_file(parent)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write under {parent} ({exc.strerror or exc})") from None
-    return path
+        return check_new_output(Path(text), force=True, flag="file")
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_main(main: Callable[[], int]) -> int:

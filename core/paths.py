@@ -7,6 +7,13 @@ import tempfile
 from pathlib import Path
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself or its nearest ancestor that exists: where a path still to be made would
+    be made (the current directory at worst, for a relative path)."""
+    path = Path(path)
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
 def plain_permissions(path: Path) -> None:
     """The mode a plain ``open`` or ``mkdir`` would have given ``path`` under this umask: files
     made by ``mkstemp``/``mkdtemp`` (and some writers, such as safetensors') are private to their
@@ -28,7 +35,8 @@ def check_new_output(path: Path, force: bool, flag: str = "--out") -> Path:
         raise UserError(f"{flag} {str(path)!r} exists; pass --force to replace it")
     parent = path.resolve().parent
     if not parent.is_dir():
-        raise UserError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} {what}")
     try:
         try_new_file(parent, path.name)
     except OSError as exc:

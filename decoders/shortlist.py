@@ -75,12 +75,11 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    from core.devices import check_device
     from core.models import load_model
+    from core.paths import check_new_output
     from core.prompts import load_prompts
     from core.schema import write_json_atomic
-
-    from core.devices import check_device
-    from core.paths import check_new_output
 
     try:
         check_new_output(args.out, args.force)

@@ -1,7 +1,7 @@
 """Plain exact steps with the host one step behind the GPU.
 
 A serial loop that reads each token before it queues the next step leaves the GPU idle while the
-host wakes from the read and launches the step (0.34 ms a token on an H100, session 25). The next
+host wakes from the read and launches the step (a third of a millisecond on an H100). The next
 step does not need the token on the host: its input is the device tensor the last step wrote. So
 step t+1 is queued first, and token t is read from a pinned copy made right after step t, waited
 on by its own event. The steps, their inputs and their order are those of the plain loop: only

@@ -17,9 +17,9 @@ from core.schema import AtomicJsonlWriter
 from harness.header import build_header, prompt_record, rank_info
 from harness.load import busy_warning, machine_load
 from harness.options import TimeOptions
+from harness.outputs import note_stale_documents
 from harness.prepare import Setup, prepare_run
 from harness.progress import Progress
-from harness.outputs import note_stale_documents
 from harness.sharded import run_time_sharded
 from harness.table import render_table
 from harness.timed import legs_only, time_one, warn_violations
@@ -120,4 +120,3 @@ def time_in_one_process(setup: Setup, header: dict, stream_path: Path, opts: Tim
     click.echo(f"wrote {stream_path}  (check it: audit replay {stream_path})")
     note_stale_documents(stream_path)
     return stream_path
-

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from core.paths import plain_permissions, try_new_file
+from core.paths import nearest_existing, plain_permissions, try_new_file
 
 MANIFEST_FILE = "corpus_manifest.json"
 OWN_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -55,8 +55,8 @@ def check_out(out: Path, force: bool) -> None:
     (tried with a probe file, as ``os.access`` says yes to root on /proc or a read-only mount), or
     one holding files of other names (unless ``force``)."""
     if not out.exists() and not out.is_symlink():
-        parent = next((p for p in out.absolute().parents if p.exists()), None)
-        if parent is None or not parent.is_dir():
+        parent = nearest_existing(out.absolute().parent)
+        if not parent.is_dir():
             raise UserError(f"cannot write --out {str(out)!r}: {str(parent)!r} is not a directory")
         probe(out, parent)
         return

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import click
 
-from core.clirun import FiniteFloat  # noqa: F401  (the audit commands' import of it)
 from core.errors import DistError, Stopped, UserError, fail
 
 

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import click
 
+from core.clirun import FiniteFloat
 from core.version import version_option
 
-from audit.commands.common import FiniteFloat, check_device_option, run_command
+from audit.commands.common import check_device_option, run_command
 
 
 @click.command("replay")

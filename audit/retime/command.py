@@ -98,7 +98,7 @@ def retime(opts: RetimeOptions) -> int:
     if mismatch:
         raise BadInput(f"{mismatch[0]['message']}; retime with the stream's own model (--model)")
     n = opts.max_new_tokens or run.max_new_tokens
-    context = getattr(model.text_config, "max_position_embeddings", None)
+    context = model.context
     if context is not None and n >= context:  # before any worker sizes itself for it
         raise BadInput(f"-n {n}: beyond the model's context of {context} positions (a prompt needs one more)")
     warmup = run.header.get("warmup_tokens")
