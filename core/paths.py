@@ -1,9 +1,11 @@
-"""Whether a directory takes a new file, tried rather than asked: ``os.access`` says yes to root
-on a read-only mount or a kernel file system (/proc, /sys), where nothing can be made."""
+"""Where outputs go: whether a directory takes a new file (tried rather than asked: ``os.access``
+says yes to root on a read-only mount or a kernel file system such as /proc, where nothing can be
+made), and files that appear whole or not at all."""
 from __future__ import annotations
 
+import atexit
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
@@ -46,6 +48,70 @@ def check_new_output(path: Path, force: bool, flag: str = "--out") -> Path:
 
 def try_new_file(directory: Path, name: str = "probe") -> None:
     """Make and remove an empty file in ``directory``; raises the OSError that refused it."""
-    fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".probe", dir=directory)
-    os.close(fd)
-    os.unlink(probe)
+    AtomicFile(Path(directory) / name, suffix=".probe").abort()
+
+
+class AtomicFile:
+    """A text file written under a temporary name beside ``path`` (``fh``) and renamed into place
+    by ``commit``: ``path`` is whole or absent. Leaving the ``with`` block uncommitted, or the
+    process exiting by any exception, removes the temporary file and the directories made for it,
+    even when a signal handler raises in the middle of this constructor: the object is registered
+    before it makes anything, and an exit handler aborts whatever is still registered."""
+
+    def __init__(self, path: Path, suffix: str = ".tmp"):
+        self.path = Path(path)
+        self.fh = None
+        self.committed = False
+        self.pid = os.getpid()  # a forked child's exit must not remove its parent's file
+        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
+        self.tmp = self.path.parent / f".{self.path.name}.{secrets.token_hex(8)}{suffix}"
+        _UNFINISHED.add(self)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # "x": made here or refused, with the mode a plain open gives under this umask
+            self.fh = open(self.tmp, "x", encoding="utf-8")
+        except FileExistsError:
+            self.tmp = None  # another's file of the same random name: not ours to remove
+            self.abort()
+            raise
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp, self.path)
+        self.committed = True
+        _UNFINISHED.discard(self)
+
+    def abort(self) -> None:
+        _UNFINISHED.discard(self)
+        if self.fh is not None and not self.fh.closed:
+            self.fh.close()
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+        for made in self.made:  # innermost first; one that now holds something else stays
+            try:
+                made.rmdir()
+            except OSError:
+                break
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.committed:
+            self.abort()
+        return False
+
+
+_UNFINISHED: set[AtomicFile] = set()
+
+
+@atexit.register
+def _abort_unfinished() -> None:
+    for unfinished in list(_UNFINISHED):
+        if unfinished.pid == os.getpid():
+            unfinished.abort()

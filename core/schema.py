@@ -44,14 +44,13 @@ import io
 import os
 import stat
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
 import jsonlines
 
 from core.errors import UserError
-from core.paths import plain_permissions
+from core.paths import AtomicFile
 
 SCHEMA = "qwen35-exact/stream/1"
 KNOWN_SCHEMAS = (SCHEMA,)
@@ -118,22 +117,15 @@ class _DigestingText:
         self.fh.flush()
 
 
-class AtomicJsonlWriter:
-    """Collects lines in a temporary file beside ``path``; ``commit`` renames it into place.
-    Leaving the ``with`` block by an exception deletes the temporary file, and the directories
-    made for it, so a failed run leaves nothing behind."""
+class AtomicJsonlWriter(AtomicFile):
+    """JSON lines collected in a temporary file beside ``path``; ``commit`` renames it into place
+    (see ``AtomicFile``: a failed or stopped run leaves nothing behind)."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
-        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self.tmp = Path(tmp)
-        self.fh = os.fdopen(fd, "w", encoding="utf-8")
+        super().__init__(path)
         self.digest = hashlib.sha256()
         self.lines = jsonlines.Writer(_DigestingText(self.fh, self.digest), dumps=dumps, flush=True)
         self.count = 0
-        self.committed = False
 
     def write(self, record: dict) -> None:
         self.lines.write(record)
@@ -142,56 +134,15 @@ class AtomicJsonlWriter:
     def write_end(self, **fields) -> None:
         self.write({"type": "end", "records": self.count, "sha256": self.digest.hexdigest(), **fields})
 
-    def commit(self) -> None:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        publish(self.tmp, self.path)
-        self.committed = True
-
-    def abort(self) -> None:
-        if not self.fh.closed:
-            self.fh.close()
-        self.tmp.unlink(missing_ok=True)
-        for made in self.made:  # innermost first; one that now holds something else stays
-            try:
-                made.rmdir()
-            except OSError:
-                break
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if not self.committed:
-            self.abort()
-        return False
-
-
-def publish(tmp: Path, path: Path) -> None:
-    """Rename a finished temporary file into place, with the permissions a plain ``open`` would
-    have given it (``mkstemp`` creates it readable by its owner only)."""
-    plain_permissions(tmp)
-    os.replace(tmp, path)
-
 
 def write_json_atomic(path: Path, obj, indent: int | None = 2) -> None:
     """``obj`` as JSON at ``path``, whole or not at all (a temporary file, then a rename);
     ``indent=None``: compact, for data files."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=indent, sort_keys=True, allow_nan=False,
-                      separators=None if indent is not None else (",", ":"))
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        publish(Path(tmp), path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with AtomicFile(path) as out:
+        json.dump(obj, out.fh, indent=indent, sort_keys=True, allow_nan=False,
+                  separators=None if indent is not None else (",", ":"))
+        out.fh.write("\n")
+        out.commit()
 
 
 # --------------------------------------------------------------------------- reading

@@ -63,6 +63,46 @@ def test_a_writer_that_fails_removes_the_directories_it_made_and_keeps_the_users
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["keep.txt"]
 
 
+class Interrupted(BaseException):
+    """What a signal handler raises (harness's SIGTERM handler raises ``Stopped``)."""
+
+
+def test_an_exception_at_any_line_of_a_writers_making_leaves_nothing_once_the_process_exits(tmp_path):
+    """A signal handler raises wherever the interpreter is. Interrupted inside its constructor, a
+    writer has no ``with`` block to clean up after it: the exit handler removes what it made."""
+    import sys
+
+    from core import paths
+
+    inits = {paths.AtomicFile.__init__.__code__, AtomicJsonlWriter.__init__.__code__}
+    for k in range(1000):
+        lines = 0
+
+        def raise_at_line_k(frame, event, arg):
+            nonlocal lines
+            if frame.f_code not in inits:
+                return None
+            if event == "line":
+                lines += 1
+                if lines > k:
+                    raise Interrupted
+            return raise_at_line_k
+
+        sys.settrace(raise_at_line_k)
+        try:
+            writer = AtomicJsonlWriter(tmp_path / "a" / "b" / "stream.jsonl")
+        except Interrupted:
+            writer = None
+        finally:
+            sys.settrace(None)
+        if writer is not None:  # k is past the constructor's last line
+            writer.abort()
+            break
+        paths._abort_unfinished()
+        assert list(tmp_path.iterdir()) == [], f"left behind when interrupted at line {k}"
+    assert k > 5 and not list(tmp_path.iterdir())
+
+
 def test_a_decode_beyond_the_models_context_is_refused_before_timing(tmp_path):
     """The audit refuses to judge positions past the model's context; the harness does not time them."""
     result, out = time_cmd(tmp_path, "-n", "4096")

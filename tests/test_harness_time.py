@@ -381,8 +381,7 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
 
 
 def test_written_files_get_the_permissions_of_a_plain_open(tmp_path):
-    """The atomic writers start from ``mkstemp`` (owner-only); what they publish is readable as
-    any file the user writes."""
+    """What the atomic writers publish is readable as any file the user writes."""
     from core.schema import AtomicJsonlWriter, write_json_atomic
 
     umask = os.umask(0o022)

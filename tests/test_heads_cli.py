@@ -246,7 +246,7 @@ def test_unwritable_out_leaves_no_directory_and_keeps_the_users(existing, tmp_pa
     def refused(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(core.paths.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(core.paths, "open", refused, raising=False)  # the probe file cannot be made
     if existing:
         out = tmp_path / "mine"
         out.mkdir()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from core.paths import nearest_existing, plain_permissions, try_new_file
+from core.paths import AtomicFile, nearest_existing, plain_permissions, try_new_file
 
 MANIFEST_FILE = "corpus_manifest.json"
 OWN_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -109,12 +109,6 @@ def replace_checkpoint(out: Path, write: Callable[[Path], None], force: bool) ->
 
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` at ``path``, renamed into place whole."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        plain_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with AtomicFile(path) as out:
+        out.fh.write(text)
+        out.commit()
