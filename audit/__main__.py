@@ -1,3 +1,11 @@
-from audit.cli import main
+"""``python -m audit``: the ``audit`` command."""
+from core.errors import run_cli
 
-main()
+
+def main():
+    from audit.cli import main  # inside run_cli: a Ctrl-C while the command's code imports is one line
+
+    return main()
+
+
+run_cli(main)

@@ -7,6 +7,8 @@ import math
 import click
 from click.exceptions import NoArgsIsHelpError
 
+from core.errors import EXIT_INTERRUPTED
+
 EXIT_USAGE = 2
 
 
@@ -29,7 +31,7 @@ def run_command(command: click.Command, argv: list[str] | None, prog_name: str):
         return exc.exit_code
     except click.exceptions.Abort:  # Ctrl-C while click itself was running (a prompt)
         click.echo("error: interrupted; nothing was written", err=True)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def one_line(text: str) -> str:
@@ -50,9 +52,23 @@ class UsageLine(click.ClickException):
         click.echo(f"error: {self.format_message()} (see {self.path} --help)", file=file, err=file is None)
 
 
+class Interrupted(click.ClickException):
+    """A Ctrl-C that the command did not answer itself (one that came while it imported its code,
+    say): one ``error: interrupted`` line and exit 130, where click would print "Aborted!" and exit 1."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self):
+        super().__init__("interrupted")
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
 class OneLineUsageGroup(click.Group):
     """A command group whose commands' usage errors (a value out of range, an unknown option, a
-    missing argument) are one ``error:`` line and exit 2, as every other mistake is."""
+    missing argument) are one ``error:`` line and exit 2, as every other mistake is, and whose
+    unanswered Ctrl-C is one line and exit 130 (``Interrupted``)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -61,6 +77,8 @@ class OneLineUsageGroup(click.Group):
             raise
         except click.UsageError as exc:
             raise UsageLine(exc, ctx.command_path) from None
+        except KeyboardInterrupt:
+            raise Interrupted() from None
 
 
 class FiniteFloat(click.FloatRange):

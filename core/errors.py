@@ -1,5 +1,8 @@
 """Errors that are the user's to fix: the CLIs print them as one line and exit non-zero."""
 import sys
+from typing import Callable, NoReturn
+
+EXIT_INTERRUPTED = 130  # a shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 
 class UserError(Exception):
@@ -26,3 +29,14 @@ def fail(message, code: int = 2, quiet: bool = False):
     if not quiet:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def run_cli(main: Callable[[], object]) -> NoReturn:
+    """A ``python -m`` entry: exits with ``main()``'s status (an int it returns; 0 for anything
+    else). A Ctrl-C that the command does not answer itself, the imports ``main`` does first
+    included, is one ``error: interrupted`` line and exit 130, never a traceback."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        fail("interrupted", EXIT_INTERRUPTED)
+    sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)

@@ -98,4 +98,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from core.errors import run_cli
+
+    run_cli(main)

@@ -1,6 +1,11 @@
 """``python -m heads train ...``: see heads/cli.py."""
-import sys
+from core.errors import run_cli
 
-from heads.cli import main
 
-sys.exit(main())
+def main():
+    from heads.cli import main  # inside run_cli: a Ctrl-C while the command's code imports is one line
+
+    return main()
+
+
+run_cli(main)

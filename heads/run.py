@@ -9,10 +9,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import EXIT_INTERRUPTED, UserError
 from core.paths import try_new_file
 
-EXIT_SAVED, EXIT_NOT_SAVED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_SAVED, EXIT_NOT_SAVED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,11 @@
-from reports.cli import main
+"""``python -m reports``: the ``reports`` command."""
+from core.errors import run_cli
 
-main()
+
+def main():
+    from reports.cli import main  # inside run_cli: a Ctrl-C while the command's code imports is one line
+
+    return main()
+
+
+run_cli(main)

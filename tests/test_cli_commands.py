@@ -84,3 +84,22 @@ def test_a_usage_error_is_one_error_line_naming_help(name, argv, words):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.output
     assert lines[0].endswith(f"(see {name} {argv[0]} --help)")
+
+
+@pytest.mark.parametrize("argv", [
+    ["harness", "generate", "--model", "tiny", "-n", "2", "hi"],
+    ["audit", "tokens", "--model", "tiny", "none.jsonl"],
+    ["heads", "train", "--model", "tiny", "--prompts", "dev", "-n", "4", "--out", "h"],
+    ["training", "--smoke", "--out", "t"],
+    ["decoders.trace", "--model", "tiny", "--out", "t.json"],
+    ["decoders.shortlist", "--model", "tiny", "--out", "s.json"],
+], ids=lambda argv: argv[0])
+def test_a_ctrl_c_while_a_command_imports_its_code_is_one_line(argv, tmp_path):
+    """A Ctrl-C in the seconds a command spends importing torch and transformers: one ``error:``
+    line and exit 130, as a Ctrl-C anywhere else; never a traceback, nothing left behind."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interrupt_on_import.py"), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,4 @@
-"""Acceptance traces (decoders/trace.py) and the instrument that replays them (CPU, tiny).
+"""Acceptance traces (decoders/trace/) and the instrument that replays them (CPU, tiny).
 
 A recorded trace round-trips through its file and carries the serial stream; replayed by
 ``spec-instrument trace=FILE`` every round accepts exactly the drafts the trace marks (checked
@@ -18,6 +18,8 @@ from core.sampling import Sampler
 from core.schema import write_json_atomic
 from decoders import get_decoder
 from decoders import trace as T
+from decoders.trace.cli import main as trace_main
+from decoders.trace.record import record
 from decoders.policy import Costs
 from decoders.serial import SerialDecoder
 from decoders.spec import SpecDecoder
@@ -38,7 +40,7 @@ def streams(tiny, prompts):
 
 
 def test_recorded_trace_round_trips_and_follows_the_serial_stream(tiny, prompts, streams, tmp_path):
-    data = T.record(tiny, prompts, N, max_depth=4)
+    data = record(tiny, prompts, N, max_depth=4)
     path = tmp_path / "trace.json"
     write_json_atomic(path, data)
     back = T.load(path)
@@ -58,7 +60,7 @@ def test_recorded_trace_round_trips_and_follows_the_serial_stream(tiny, prompts,
 
 def test_cli_writes_a_trace_and_reports_bad_input_in_one_line(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert T.main(["--model", "tiny", "--prompts", "dev", "--limit", "2", "-n", "12", "--max-depth", "3",
+    assert trace_main(["--model", "tiny", "--prompts", "dev", "--limit", "2", "-n", "12", "--max-depth", "3",
                    "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "traced 1/2" in err and "traced 2/2" in err
@@ -68,10 +70,10 @@ def test_cli_writes_a_trace_and_reports_bad_input_in_one_line(tmp_path, capsys):
                          (["--model", "tiny", "--limit", "0"], "--limit"),
                          (["--model", "tiny", "--prompts", str(tmp_path / "none.jsonl")], "not found")):
         target = tmp_path / "bad.json"
-        assert T.main([*argv, "--out", str(target)]) == 2
+        assert trace_main([*argv, "--out", str(target)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and needle in err[0] and not target.exists()
-    assert T.main(["--model", "tiny", "--out", str(tmp_path)]) == 2
+    assert trace_main(["--model", "tiny", "--out", str(tmp_path)]) == 2
     assert "directory" in capsys.readouterr().err
 
 
@@ -136,8 +138,8 @@ def test_sampled_trace_follows_the_sampled_stream_and_its_replay_is_exact(tiny, 
     serial = SerialDecoder()
     serial.prepare(tiny)
     sampled = [serial.decode(p.token_ids, 24, sampler=sampler).tokens for p in prompts]
-    coupled = T.record(tiny, prompts, 24, max_depth=3, sampler=sampler)
-    plain = T.record(tiny, prompts, 24, max_depth=3, sampler=sampler, coupled=False)
+    coupled = record(tiny, prompts, 24, max_depth=3, sampler=sampler)
+    plain = record(tiny, prompts, 24, max_depth=3, sampler=sampler, coupled=False)
     assert [r["tokens"] for r in coupled["rows"]] == [r["tokens"] for r in plain["rows"]] == sampled
     assert coupled["drafter"]["sampler"] == sampler.to_json() and coupled["drafter"]["coupled"] is True
     assert plain["drafter"]["coupled"] is False
@@ -154,12 +156,12 @@ def test_sampled_trace_follows_the_sampled_stream_and_its_replay_is_exact(tiny, 
         hist, _ = replay_rounds(trace, trace.row_for(p.token_ids), res.stats.extra["depth_trace"])
         assert {int(k): v for k, v in res.stats.to_json()["accept_hist"].items()} == hist
     out = tmp_path / "t.json"
-    assert T.main(["--model", "tiny", "--prompts", "dev", "--limit", "1", "-n", "8", "--max-depth", "2",
+    assert trace_main(["--model", "tiny", "--prompts", "dev", "--limit", "1", "-n", "8", "--max-depth", "2",
                    "--sampling", "qwen-thinking,seed=3", "--out", str(out)]) == 0
     assert T.load(out).meta["drafter"]["sampler"]["top_k"] == 20
     capsys.readouterr()
     for argv, needle in ((["--sampling", "temperature=-1"], "--sampling"), (["--uncoupled"], "--uncoupled")):
-        assert T.main(["--model", "tiny", *argv, "--out", str(tmp_path / "bad.json")]) == 2
+        assert trace_main(["--model", "tiny", *argv, "--out", str(tmp_path / "bad.json")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
 
@@ -212,7 +214,7 @@ def test_trace_of_small_predicts_the_real_spec_rounds(tmp_path):
     small = load_model("small", "cpu")
     prompts = load_prompts("stdlib-heldout", small, limit=1)[0]
     path = tmp_path / "small.json"
-    write_json_atomic(path, T.record(small, prompts, 40, max_depth=4))
+    write_json_atomic(path, record(small, prompts, 40, max_depth=4))
     trace = T.load(path)
     for depth in (2, 4):
         dec = SpecDecoder(depth=depth)
@@ -229,8 +231,8 @@ def test_head_ranks_leave_the_drafts_as_they_are_and_price_a_second_branch(tmp_p
     was accepted (greedy: the draft is the head's best); and a file that loads back."""
     small = load_model("small", "cpu")
     prompts = load_prompts("stdlib-heldout", small, limit=2)[0]
-    plain = T.record(small, prompts, 40, max_depth=3)
-    ranked = T.record(small, prompts, 40, max_depth=3, head_top_k=4)
+    plain = record(small, prompts, 40, max_depth=3)
+    ranked = record(small, prompts, 40, max_depth=3, head_top_k=4)
     assert [r["bits"] for r in ranked["rows"]] == [r["bits"] for r in plain["rows"]]
     assert ranked["head_top_k"] == 4 and "ranks" not in plain["rows"][0]
     misses = 0
@@ -275,7 +277,7 @@ def test_confidences_are_recorded_per_draft_and_steer_the_instruments_confidence
     ``stop=confidence`` from a trace whose confidences say exactly which drafts are right, no
     round drafts past the first draft the head doubts, the tokens stay the control's and each
     round accepts exactly what the trace marks."""
-    data = T.record(tiny, prompts[:1], 16, max_depth=3)
+    data = record(tiny, prompts[:1], 16, max_depth=3)
     row = data["rows"][0]
     assert data["confidence"] is True and [len(c) for c in row["conf"]] == [len(b) for b in row["bits"]]
     assert all(set(c) <= set("0123456789") for c in row["conf"]) and len(data["acceptance"]["by_confidence"]) == 10
@@ -328,12 +330,15 @@ def test_confidences_are_recorded_per_draft_and_steer_the_instruments_confidence
 
 def test_cli_refuses_an_existing_or_unwritable_out_and_a_bad_device_before_the_model_loads(tmp_path, capsys,
                                                                                        monkeypatch):
-    monkeypatch.setattr(T, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("core.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     mine = tmp_path / "mine.json"
     mine.write_text("my notes")
     for argv, words in ((["--out", str(mine)], "exists; pass --force"),
                         (["--out", "/proc/x.json"], "cannot write under"),
-                        (["--out", str(tmp_path / "t.json"), "--device", "gpu"], "is not available")):
-        assert T.main(["--model", "tiny", *argv]) == 2
+                        (["--out", str(tmp_path / "t.json"), "--device", "gpu"], "is not available"),
+                        (["--out", str(tmp_path / "t.json"), "--max-depth", "16"], "--max-depth must be within"),
+                        (["--out", str(tmp_path / "t.json"), "--head-top-k", "17"], "--head-top-k must be within"),
+                        (["--out", str(tmp_path / "t.json"), "-n", "0"], "-n must be >= 1")):
+        assert trace_main(["--model", "tiny", *argv]) == 2
         assert words in capsys.readouterr().err
     assert mine.read_text() == "my notes"

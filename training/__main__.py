@@ -1,4 +1,11 @@
 """``python -m training --out DIR``: see training/cli.py."""
-from training.cli import main
+from core.errors import run_cli
 
-main()
+
+def main():
+    from training.cli import main  # inside run_cli: a Ctrl-C while the command's code imports is one line
+
+    return main()
+
+
+run_cli(main)

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from core.clirun import FiniteFloat, run_command
-from core.errors import UserError, fail
+from core.errors import EXIT_INTERRUPTED, UserError, fail
 from core.version import version_option
 from training.model import PRESETS, require_checkpoint
 from training.outdir import check_out
@@ -26,7 +26,6 @@ from training.pipeline import run
 from training.quality import remeasure
 
 PROG = "python -m training"
-EXIT_INTERRUPTED = 130
 OVERRIDES = ("batch", "prompts", "dropout", "weight_decay", "max_epochs", "unloop_steps", "unloop_lr")
 
 

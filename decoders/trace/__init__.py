@@ -35,29 +35,13 @@ for ``stop=confidence`` ``Trace.confidence``).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-
-from core import determinism
-from core.devices import check_device
 from core.errors import UserError
-from core.models import load_model
-from core.paths import check_new_output
-from core.prompts import load_prompts
-from core.sampling import Sampler, SamplerError
-from core.schema import write_json_atomic
-from decoders.drafter import HEAD_FILE, MTPDrafter, load_head, load_shortlist, shortlist_source
-from decoders.policy import CONFIDENCE_BINS, confidence_bin
-from decoders.runtime.runtime import ExactRuntime
-from decoders.runtime.sizing import capacity_for
-from decoders.sampled import TargetPicks
+from decoders.policy import CONFIDENCE_BINS
 
 FORMAT = "qwen35-exact/acceptance-trace/1"
 MAX_TRACE_DEPTH = 15  # as SpecDecoder's max_depth
@@ -201,106 +185,6 @@ def second_branch(rows: list[list[str]], ranks: list[list[int]], max_depth: int,
             "tokens_per_round_at_fixed_depth": per_round}
 
 
-@torch.inference_mode()
-def record_prompt(runtime, drafter, prompt_ids: list[int], max_new_tokens: int, max_depth: int,
-                  eos: set[int], picks: TargetPicks | None = None,
-                  top_k: int = 0) -> tuple[list[int], list[str], list[int] | None, list[str]]:
-    """The stream of one prompt, its bit strings, (``top_k`` > 0) its ranks and its confidence
-    digits (see the module docstring): greedy, or with ``picks`` (bound to a sampler) the sampled
-    stream. The drafter must be built with ``confidence=True``."""
-    logits, hidden = runtime.prefill(prompt_ids)
-    drafter.prefill(hidden, prompt_ids)
-    y = logits.argmax(-1).view(1, 1) if picks is None else picks.first(logits, len(prompt_ids))
-    row_hidden = hidden[:, -1:]
-    tokens, chains, heads, confs = [int(y.item())], [], [], []
-    while True:
-        # the true row (hidden state at s_t's position, s_t), then max_depth chained drafts; the
-        # chained rows lie past the true ones, so the next position's catch-up overwrites them.
-        # One draft, then the chained steps: the same calls as draft(..., max_depth), with the
-        # head's first output row read in between
-        drafts = drafter.draft(row_hidden, y, 1)
-        conf = [drafter.in_conf.clone()]
-        if top_k:  # one more than kept: the draft itself may be any of them under coupling or a tie
-            heads.append(drafter.head_candidates(top_k + 1))
-        for i in range(max_depth - 1):
-            drafts.append(drafter.chained_step(drafter.filled + i))
-            conf.append(drafter.in_conf.clone())
-        chains.append(torch.cat(drafts, dim=1))
-        confs.append(torch.cat(conf))
-        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
-            break
-        prog = runtime.step(y)
-        y = (prog.ws["argmax"] if picks is None else picks.row(prog, 0)).view(1, 1).clone()
-        row_hidden = prog.ws["hidden"].clone()
-        tokens.append(int(y.item()))
-    drafts = torch.cat(chains, dim=0).tolist()  # [m, max_depth]
-    m = len(tokens)
-    bits = ["".join("1" if drafts[t][k - 1] == tokens[t + k] else "0" for k in range(1, min(max_depth, m - 1 - t) + 1))
-            for t in range(m)]
-    ranks = None
-    if top_k:
-        # the draft first, then the head's best others: the branches a tree would verify
-        best = [[drafts[t][0]] + [v for v in top if v != drafts[t][0]][:top_k - 1]
-                for t, top in enumerate(torch.stack(heads[:m - 1]).tolist())] if m > 1 else []
-        ranks = [best[t].index(tokens[t + 1]) if tokens[t + 1] in best[t] else -1 for t in range(m - 1)]
-    tenths = torch.stack(confs).tolist()
-    digits = ["".join(str(confidence_bin(c)) for c in tenths[t][:len(bits[t])]) for t in range(m)]
-    return tokens, bits, ranks, digits
-
-
-def record(model, prompts, max_new_tokens: int, max_depth: int = 6, head: str | None = None,
-           shortlist: str | None = None, progress=None, sampler: Sampler | None = None,
-           coupled: bool = True, head_top_k: int = 0) -> dict:
-    """Trace every prompt (``core.prompts.Prompt``) with the drafter ``spec`` builds for the same
-    ``head``, ``shortlist`` and ``coupled`` arguments, greedily or under ``sampler``; with
-    ``head_top_k`` > 0 each position's rank among the head's best at depth 1 too."""
-    if not 1 <= max_depth <= MAX_TRACE_DEPTH:
-        raise UserError(f"--max-depth must be within 1..{MAX_TRACE_DEPTH}")
-    if not 0 <= head_top_k <= MAX_HEAD_TOP_K:
-        raise UserError(f"--head-top-k must be within 0..{MAX_HEAD_TOP_K}")
-    if max_new_tokens < 1:
-        raise UserError("-n must be >= 1")
-    trained = load_head(model, head) if head is not None else None
-    source = shortlist_source(model, shortlist, head)
-    ids = load_shortlist(source, model.vocab_size) if source else None
-    longest = max(len(p.token_ids) for p in prompts) + max_new_tokens + max_depth + 2
-    capacity = capacity_for(longest)
-    runtime = ExactRuntime(model, capacity=capacity, windows=(1,))
-    sampled = sampler is not None and not sampler.greedy
-    drafter = MTPDrafter(model, capacity, shortlist=ids, head=trained, max_rows=max_depth + 1,
-                         coupled=sampled and coupled, confidence=True)
-    picks = None
-    if sampled:
-        drafter.couple(sampler if coupled else None)
-        picks = TargetPicks(runtime.device, runtime.use_graphs)
-        picks.bind(sampler, runtime.programs.values())
-    eos = set(model.eos_token_ids)
-    rows = []
-    for i, p in enumerate(prompts):
-        tokens, bits, ranks, conf = record_prompt(runtime, drafter, p.token_ids, max_new_tokens, max_depth, eos,
-                                                  picks, head_top_k)
-        rows.append({"id": p.id, "prompt_sha256": prompt_sha256(p.token_ids), "tokens": tokens, "bits": bits,
-                     "conf": conf, **({"ranks": ranks} if head_top_k else {})})
-        if progress:
-            progress(i + 1, len(prompts), len(tokens))
-    head_file = Path(head) / HEAD_FILE if head is not None else None
-    return {
-        "format": FORMAT,
-        "model": {"name": model.name, "identity": model.identity},
-        "drafter": {"head": head, "head_sha256": hashlib.sha256(head_file.read_bytes()).hexdigest() if head_file else None,
-                    "shortlist": source, "shortlist_size": None if ids is None else len(set(ids)),
-                    "sampler": sampler.to_json() if sampled else None, "coupled": sampled and coupled},
-        "max_new_tokens": max_new_tokens,
-        "max_depth": max_depth,
-        "head_top_k": head_top_k,
-        "confidence": True,
-        "rows": rows,
-        "acceptance": summarize([r["bits"] for r in rows], max_depth,
-                                [r["ranks"] for r in rows] if head_top_k else None, head_top_k,
-                                [r["conf"] for r in rows]),
-    }
-
-
 def load(path) -> Trace:
     """A trace file, checked: every malformation is a UserError naming the file."""
     path = Path(path)
@@ -349,63 +233,3 @@ def load(path) -> Trace:
                             None if ranks is None else list(ranks), None if conf is None else list(conf)))
     meta = {k: data.get(k) for k in ("model", "drafter", "prompts")}
     return Trace(max_depth=depth, max_new_tokens=n, rows=out, meta=meta)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoders.trace", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
-    ap.add_argument("--limit", type=int, default=None, help="keep the first K prompts")
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-depth", type=int, default=6)
-    ap.add_argument("--head", default=None, help="a directory written by `heads train` (as spec's head=)")
-    ap.add_argument("--shortlist", default=None, help="draft shortlist JSON (as spec's shortlist=)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--sampling", default=None, metavar="SAMPLER",
-                    help="trace the sampled stream (core.sampling: e.g. qwen-thinking,seed=7) with coupled drafts")
-    ap.add_argument("--uncoupled", action="store_true", help="with --sampling: drafts by plain argmax")
-    ap.add_argument("--head-top-k", type=int, default=4, metavar="K",
-                    help="record each position's rank among the head's K best at depth 1 (0: none)")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
-    args = ap.parse_args(argv)
-
-    determinism.pin()  # before anything starts CUDA
-    transformers.logging.set_verbosity_error()
-    try:
-        if args.limit is not None and args.limit < 1:
-            raise UserError("--limit must be >= 1")
-        check_new_output(args.out, args.force)
-        device = check_device(args.device)
-        if args.uncoupled and args.sampling is None:
-            raise UserError("--uncoupled needs --sampling")
-        try:
-            sampler = Sampler.parse(args.sampling) if args.sampling is not None else None
-        except SamplerError as exc:
-            raise UserError(f"--sampling: {exc}") from None
-        model = load_model(args.model, device)
-        model.require_mtp("trace")
-        prompts, info = load_prompts(args.prompts, model, args.limit)
-        data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,
-                      lambda i, k, m: print(f"traced {i}/{k} ({m} tokens)", file=sys.stderr, flush=True),
-                      sampler=sampler, coupled=not args.uncoupled, head_top_k=args.head_top_k)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    data["prompts"] = info
-    write_json_atomic(args.out, data, indent=None)  # a data file: 2-3 KB per 100 positions
-    acc = ", ".join(f"{d['conditional']:.3f}" if d["conditional"] is not None else "-"
-                    for d in data["acceptance"]["per_depth"])
-    print(f"wrote {args.out}: {len(data['rows'])} prompts, conditional acceptance by depth {acc}")
-    branch = data["acceptance"].get("second_branch")
-    if branch and branch["misses_in_top"].get("2") is not None:
-        per_round = ", ".join(f"{v:.3f}" for v in branch["tokens_per_round_at_fixed_depth"].values() if v is not None)
-        print(f"depth-1 misses whose token is the second branch: {branch['misses_in_top']['2']:.3f}; "
-              f"tokens per round by depth with a second branch at depth 1: {per_round}")
-    tenths = ", ".join("-" if b["accepted"] is None else f"{b['accepted']:.2f}" for b in data["acceptance"]["by_confidence"])
-    print(f"acceptance by tenth of the head's confidence (0.0-0.1 ... 0.9-1.0): {tenths}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,11 @@
+"""``python -m decoders.trace``: see decoders/trace/cli.py."""
+from core.errors import run_cli
+
+
+def main():
+    from decoders.trace.cli import main  # inside run_cli: a Ctrl-C while the command's code imports is one line
+
+    return main()
+
+
+run_cli(main)
