@@ -25,6 +25,30 @@ def plain_permissions(path: Path) -> None:
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
+# file systems whose files are the kernel's interfaces, not storage: a write to one is an order
+# (/proc/sysrq-trigger, /sys/...) or fails only when the data comes (/proc/version, as root)
+KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+    "configfs", "bpf", "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs", "rpc_pipefs",
+    "nsfs", "hugetlbfs"})
+
+
+def kernel_filesystem(st: os.stat_result, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
+    """The type of the file system a file of status ``st`` lies on, where it is one of
+    ``KERNEL_FILESYSTEMS``; None for any other (and where the mount table cannot be read)."""
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        lines = mountinfo.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == device and "-" in fields:
+            fstype = fields[fields.index("-") + 1] if fields.index("-") + 1 < len(fields) else ""
+            return fstype if fstype in KERNEL_FILESYSTEMS else None
+    return None
+
+
 def check_new_output(path: Path, force: bool, flag: str = "--out") -> Path:
     """Refuse, before any work, an output file that cannot be written or would replace one the
     user has (unless ``force``): ``UserError`` naming ``flag``."""

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from core.errors import UserError
-from core.paths import try_new_file
+from core.paths import kernel_filesystem, try_new_file
 
 
 def check_record_path(path) -> Path:
@@ -42,6 +42,9 @@ def check_record_path(path) -> Path:
         raise UserError(f"record file {str(path)!r} is a directory")
     if not stat.S_ISREG(st.st_mode):
         raise UserError(f"record file {str(path)!r} is not a regular file")
+    fstype = kernel_filesystem(st)
+    if fstype is not None:
+        raise UserError(f"record file {str(path)!r} is a kernel interface on {fstype}, not a file to keep records in")
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)))
     except OSError as exc:

@@ -83,3 +83,31 @@ def test_a_directory_that_refuses_new_files_is_refused_before_any_work_even_as_r
 def test_the_writability_probe_leaves_nothing_behind(tmp_path):
     assert check_record_path(tmp_path / "r.jsonl") == tmp_path / "r.jsonl"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="Linux mount table")
+def test_a_kernel_interface_is_refused_before_any_work_even_where_it_opens_for_appending():
+    """/proc/version opens for appending as root and fails only when the line is written;
+    /proc/sysrq-trigger would take the line as an order. Both are refused up front."""
+    for path in ("/proc/version", "/proc/sysrq-trigger"):
+        if os.path.exists(path):
+            with pytest.raises(UserError, match="kernel interface on proc"):
+                check_record_path(path)
+
+
+def test_the_file_system_is_found_by_the_files_device_in_the_mount_table(tmp_path):
+    from core.paths import kernel_filesystem
+
+    table = tmp_path / "mountinfo"
+    table.write_text("22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+                     "30 27 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+                     "31 30 0:44 / /sys/kernel/debug rw master:9 - debugfs debugfs rw\n")
+
+    def status(major, minor):
+        return os.stat_result((0o100644, 1, os.makedev(major, minor), 1, 0, 0, 0, 0, 0, 0))
+
+    assert kernel_filesystem(status(0, 21), table) == "proc"
+    assert kernel_filesystem(status(0, 44), table) == "debugfs"
+    assert kernel_filesystem(status(8, 1), table) is None  # a disk
+    assert kernel_filesystem(status(9, 9), table) is None  # not in the table
+    assert kernel_filesystem(status(0, 21), tmp_path / "missing") is None

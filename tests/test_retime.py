@@ -387,8 +387,8 @@ def test_the_candidate_loads_while_the_control_code_is_checked_and_the_control_s
         def wait_ready(self):
             events.append(f"ready {self.role}")
 
-        def close(self):
-            events.append(f"closed {self.role}")
+        def close(self, graceful=True):
+            events.append(f"closed {self.role}" + ("" if graceful else ", killed"))
 
     def start_worker(side, model_spec, device, continues, sandboxed, positions, control_pycache=None, hide=()):
         events.append(f"start {side.role} pycache={control_pycache} hide={hide}")
@@ -412,7 +412,30 @@ def test_the_candidate_loads_while_the_control_code_is_checked_and_the_control_s
     events.clear()
     with pytest.raises(OSError):
         W.start_workers(sides, "tiny", "cpu", None, check_control=failing)
-    assert events[-1] == "closed candidate"
+    assert events[-1] == "closed candidate, killed"  # a worker that failed to start is not waited for
+
+
+def test_a_worker_closed_on_a_stop_is_killed_at_once_and_a_graceful_one_is_given_time():
+    """A retime stopped (SIGTERM, Ctrl-C) while a worker loads does not wait for the load."""
+    import subprocess
+
+    from core.continues import ContinueCounter
+
+    for graceful, timeouts in ((False, [0]), (True, [W.WORKER_EXIT_S])):
+        worker = W.Worker("candidate", [sys.executable, "-c", "import time; time.sleep(600)"], ContinueCounter(),
+                          sandboxed=False, boxed=False)
+        waits = []
+        wait = worker.proc.wait
+
+        def spy(timeout=None):
+            waits.append(timeout)
+            if timeout == W.WORKER_EXIT_S:  # as if the graceful wait had run out
+                raise subprocess.TimeoutExpired(worker.proc.args, timeout)
+            return wait(timeout)
+
+        worker.proc.wait = spy
+        worker.close(graceful)
+        assert waits[:1] == timeouts and worker.proc.returncode == -9
 
 
 def test_an_instrument_is_retimed_with_its_untimed_preparation(tmp_path):

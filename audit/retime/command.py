@@ -175,6 +175,7 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
         # the decoder's own word on whether it is an instrument, not the header's
         m = Measurement(workers, ctx.max_new_tokens, ctx.opts.legs, ctx.warmup_tokens, clock,
                         instrument=workers["candidate"].instrument, progress=progress, quiet=quiet)
+        graceful = True
         try:
             for w in workers.values():  # each runs only while it is timed
                 w.pause()
@@ -184,10 +185,13 @@ def measure(ctx: Context, sides, draw: Draw, findings: list) -> tuple[dict, Meas
             findings.append(checks.finding("retime-error", "fail", exc.prompt_id, str(exc)))
         except GpuBusy as exc:
             findings.append(checks.finding("gpu-busy", "fail", None, f"{exc}: no leg can be timed fairly on it"))
+        except BaseException:  # stopped (SIGTERM, Ctrl-C) or broken: no worker is waited for
+            graceful = False
+            raise
         finally:
             progress.close()
             for w in workers.values():
-                w.close()
+                w.close(graceful)
     finally:
         shutil.rmtree(control_pycache, ignore_errors=True)
         audit_continues.restore()

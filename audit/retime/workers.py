@@ -218,14 +218,16 @@ class Worker:
         self.alloc_retries = retries if checks.is_int(retries) else None
         return tokens
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """End the worker: ``graceful``, its stdin closed and WORKER_EXIT_S for it to exit; else
+        (the retime stopped or failed) killed at once, wherever it is, loading a model included."""
         self.resume()
         try:
             self.proc.stdin.close()
         except OSError:
             pass
         try:
-            self.proc.wait(timeout=WORKER_EXIT_S)
+            self.proc.wait(timeout=WORKER_EXIT_S if graceful else 0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -285,6 +287,6 @@ def start_workers(sides: list[Side], model_spec: str, device: str,
             w.wait_ready()
     except BaseException:
         for w in workers.values():
-            w.close()
+            w.close(graceful=False)
         raise
     return workers, checked
