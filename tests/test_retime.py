@@ -419,6 +419,7 @@ def test_a_worker_closed_on_a_stop_is_killed_at_once_and_a_graceful_one_is_given
     """A retime stopped (SIGTERM, Ctrl-C) while a worker loads does not wait for the load."""
     import subprocess
 
+    import audit.retime.workers as W
     from core.continues import ContinueCounter
 
     for graceful, timeouts in ((False, [0]), (True, [W.WORKER_EXIT_S])):
