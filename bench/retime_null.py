@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-
 import sys
 from pathlib import Path
 
 import numpy as np
 from scipy import stats
+from tqdm import tqdm
 
 from audit.retime import judge
 
@@ -52,7 +52,8 @@ def bootstrap_low(ratios: list[float], rng: np.random.Generator) -> float:
     return float(res.confidence_interval.low)
 
 
-def simulate(noise, n: int, trials: int, seed: int) -> dict:
+def simulate(noise, n: int, trials: int, seed: int, progress=None) -> dict:
+    """``progress``: called with 1 after each trial."""
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
     scored = {"median/boot": 0, "first/order": 0}
     above = {"median": 0, "first": 0}
@@ -67,6 +68,8 @@ def simulate(noise, n: int, trials: int, seed: int) -> dict:
         scored["median/boot"] += bootstrap_low(median_rule, nrng) > 1
         low = judge.interval(first_rule)[0]
         scored["first/order"] += low is not None and low > 1
+        if progress:
+            progress(1)
     return {"scored": {k: v / trials for k, v in scored.items()},
             "above": {k: v / (trials * n) for k, v in above.items()}}
 
@@ -78,13 +81,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print("| noise | prompts | ratio > 1, median rule | ratio > 1, first rule | scored, median/boot | "
           "scored, first/order |")
-    print("|---|---|---|---|---|---|")
-    for name, noise in NOISES.items():
-        for n in PROMPTS:
-            r = simulate(noise, n, args.trials, args.seed + n)
-            order = "no interval" if n < judge.MIN_PROMPTS else f"{r['scored']['first/order']:.1%}"
-            print(f"| {name} | {n} | {r['above']['median']:.1%} | {r['above']['first']:.1%} | "
-                  f"{r['scored']['median/boot']:.1%} | {order} |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    # on stderr, with the time left: the table on stdout stays clean
+    with tqdm(total=len(NOISES) * len(PROMPTS) * args.trials, unit="retime", file=sys.stderr,
+              dynamic_ncols=True, mininterval=1.0) as bar:
+        for name, noise in NOISES.items():
+            for n in PROMPTS:
+                r = simulate(noise, n, args.trials, args.seed + n, bar.update)
+                order = "no interval" if n < judge.MIN_PROMPTS else f"{r['scored']['first/order']:.1%}"
+                bar.write(f"| {name} | {n} | {r['above']['median']:.1%} | {r['above']['first']:.1%} | "
+                          f"{r['scored']['median/boot']:.1%} | {order} |", file=sys.stdout)
     return 0
 
 
