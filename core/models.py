@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,14 +159,43 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def read_tensors(files: list[Path], device: str) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device=str(device)) as fh:
-                for key in fh.keys():
-                    tensors[key] = fh.get_tensor(key)
-        except Exception as exc:  # safetensors raises several types for truncated/corrupt files
-            raise UserError(f"cannot read weights from {f.name}: {exc} (partial or corrupt shard?)") from None
+    with InterruptWatch() as ctrl_c:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                    for key in fh.keys():
+                        tensors[key] = fh.get_tensor(key)
+            except Exception as exc:  # safetensors raises several types for truncated/corrupt files
+                if ctrl_c.seen:  # a Ctrl-C inside safetensors' own code can come out as another error
+                    raise KeyboardInterrupt from None
+                raise UserError(f"cannot read weights from {f.name}: {exc} (partial or corrupt shard?)") from None
     return tensors
+
+
+class InterruptWatch:
+    """Notes whether SIGINT came while the block ran (``seen``), handled as before all the same:
+    a library may turn the KeyboardInterrupt raised inside it into an error of its own."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # handlers are the main thread's
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        self.seen = True
+        self.previous(signum, frame)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
 
 
 def split_weights(tensors: dict[str, torch.Tensor], layout: str):

@@ -436,3 +436,40 @@ def test_small_is_the_trained_default_with_its_head_and_prompts():
     assert all(p.text and p.token_ids for p in prompts)
     text = model.tokenizer.get().decode(prompts[0].token_ids)
     assert text == prompts[0].text  # byte-level BPE round-trips the source text
+
+
+def test_a_ctrl_c_inside_the_weight_reader_is_an_interrupt_not_a_corrupt_shard(tmp_path, tensors, monkeypatch):
+    """safetensors may turn the KeyboardInterrupt a Ctrl-C raises inside it into an error of its
+    own; the loader must still call it an interrupt, not blame the file."""
+    import signal
+
+    from core import models
+
+    path = write_checkpoint(tmp_path / "ckpt", text_config(), to_text_layout(tensors))
+    real_open = models.safe_open
+
+    class InterruptedReader:
+        def __init__(self, *args, **kwargs):
+            self.fh = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.fh.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.fh.__exit__(*exc)
+
+        def keys(self):
+            return self.fh.keys()
+
+        def get_tensor(self, key):
+            try:
+                signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, mid-read
+                return self.fh.get_tensor(key)
+            except KeyboardInterrupt:
+                raise RuntimeError("read interrupted") from None  # as a library's own error
+
+    monkeypatch.setattr(models, "safe_open", InterruptedReader)
+    with pytest.raises(KeyboardInterrupt):
+        models.read_tensors(models.checkpoint_files(path), "cpu")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
