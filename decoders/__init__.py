@@ -7,24 +7,37 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import NamedTuple
 
 from core.errors import UserError
 
-REGISTRY: dict[str, tuple[str, str]] = {
-    # name: ("module:attr", one-line description)
-    "serial": ("decoders.serial:SerialDecoder", "the pristine control: HF forward + DynamicCache, one token per forward"),
-    "spec-naive": ("decoders.spec_naive:SpecNaiveDecoder",
-                   "baseline MTP speculation: fixed k=3 drafts, batched HF verify, repair by re-running"),
-    "fast-serial": ("decoders.fast_serial:FastSerialDecoder",
-                    "exact serial decoding on the fast runtime: static state, CUDA-graphed steps"),
-    "spec": ("decoders.spec:SpecDecoder",
-             "exact MTP speculation: persistent head cache, adaptive depth, bit-exact verify windows, "
-             "rollback from captured state (args: max_depth, depth, shortlist, explore_every, head, "
-             "online_costs, coupled, lazy_rows)"),
-    "spec-instrument": ("decoders.spec:InstrumentedSpecDecoder",
-                        "benchmark instrument: spec with drafts replaced by the control's token with "
-                        "probability alpha, or where a recorded acceptance trace says (args: alpha or "
-                        "trace=FILE from python -m decoders.trace, seed); never scored by the audit"),
+class Registered(NamedTuple):
+    target: str  # "module:attr"
+    description: str  # one line
+    # the --decoder-arg names its constructor takes, listed here so that `harness list` needs no
+    # torch (tests/test_registry.py holds them to the constructors' signatures)
+    args: tuple[str, ...] = ()
+
+
+SPEC_ARGS = ("max_depth", "depth", "stop", "shortlist", "head", "explore_every", "online_costs", "coupled",
+             "lazy_rows", "capacity")
+REGISTRY: dict[str, Registered] = {
+    "serial": Registered("decoders.serial:SerialDecoder",
+                         "the pristine control: HF forward + DynamicCache, one token per forward"),
+    "spec-naive": Registered("decoders.spec_naive:SpecNaiveDecoder",
+                             "baseline MTP speculation: fixed k=3 drafts, batched HF verify, repair by re-running",
+                             ("k",)),
+    "fast-serial": Registered("decoders.fast_serial:FastSerialDecoder",
+                              "exact serial decoding on the fast runtime: static state, CUDA-graphed steps",
+                              ("capacity", "stack_gate_up", "read_ahead")),
+    "spec": Registered("decoders.spec:SpecDecoder",
+                       "exact MTP speculation: persistent head cache, adaptive depth, bit-exact verify windows, "
+                       "rollback from captured state", SPEC_ARGS),
+    "spec-instrument": Registered("decoders.spec:InstrumentedSpecDecoder",
+                                  "benchmark instrument: spec with drafts replaced by the control's token with "
+                                  "probability alpha, or where a recorded acceptance trace says (trace=FILE from "
+                                  "python -m decoders.trace); never scored by the audit",
+                                  ("alpha", "trace", "seed", *SPEC_ARGS)),
 }
 # the fastest decoder the audit gates as exact (.ci/run); spec-naive stays as a baseline only
 DEFAULT_DECODER = "spec"
@@ -74,7 +87,7 @@ def get_decoder(spec: str, **kwargs):
     """A fresh decoder object for a registered name or a ``module:attr`` reference; ``kwargs``
     (from ``--decoder-arg``) go to its constructor."""
     if spec in REGISTRY:
-        factory = _import(REGISTRY[spec][0])
+        factory = _import(REGISTRY[spec].target)
     elif ":" in spec:
         factory = _import(spec)
     else:
@@ -89,22 +102,8 @@ def get_decoder(spec: str, **kwargs):
         if not kwargs:
             raise UserError(f"decoder {spec!r} could not be built with no arguments ({type(exc).__name__}: {exc}); "
                             "a plug-in is a decoder class or a zero-argument factory") from None
-        # name the arguments the constructor takes, from its signature (and its bases' where it
-        # passes **kwargs on), rather than Python's TypeError
-        targets = [k for k in factory.__mro__[:-1] if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
-        takes, open_ended, readable = {}, True, True
-        for target in targets:
-            if not open_ended:
-                break
-            try:
-                params = inspect.signature(target).parameters.values()
-            except (TypeError, ValueError):  # no readable signature: name nothing
-                readable = False
-                break
-            for p in params:
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in takes:
-                    takes[p.name] = p.name if p.default is p.empty else f"{p.name}={p.default!r}"
-            open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
+        # name the arguments the constructor takes rather than Python's TypeError
+        takes, open_ended, readable = constructor_args(factory)
         listing = (", ".join(takes.values()) or "none") if readable else "unknown (no readable signature)"
         given = " ".join(f"{k}={v!r}" for k, v in kwargs.items())
         unknown = [k for k in kwargs if k not in takes]
@@ -116,3 +115,23 @@ def get_decoder(spec: str, **kwargs):
         if not hasattr(decoder, attr):
             raise UserError(f"decoder {spec!r} does not follow the protocol: it has no {attr!r}")
     return decoder
+
+
+def constructor_args(factory) -> tuple[dict[str, str], bool, bool]:
+    """The keyword arguments ``factory`` takes, from its signature and its bases' where it passes
+    ``**kwargs`` on: name -> "name" or "name=default"; whether it still takes any keyword (a
+    ``**kwargs`` nothing names); whether every signature could be read."""
+    targets = [k for k in factory.__mro__[:-1] if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
+    takes, open_ended = {}, True
+    for target in targets:
+        if not open_ended:
+            break
+        try:
+            params = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):  # no readable signature: name nothing
+            return takes, open_ended, False
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in takes:
+                takes[p.name] = p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
+    return takes, open_ended, True

@@ -15,8 +15,17 @@ def test_registry_contents():
     assert {"serial", "spec-naive"} <= set(REGISTRY)
     assert CONTROL == "serial"
     assert DEFAULT_DECODER in REGISTRY
-    for name, (target, desc) in REGISTRY.items():
+    for name, (target, desc, _) in REGISTRY.items():
         assert ":" in target and desc, name
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_harness_lists_exactly_the_arguments_each_constructor_takes(name):
+    """`harness list` names the --decoder-arg keys from the registry (no torch import there):
+    they must be the constructor's own, all of them."""
+    takes, open_ended, readable = decoders.constructor_args(decoders._import(REGISTRY[name].target))
+    assert readable and not open_ended
+    assert sorted(REGISTRY[name].args) == sorted(takes)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

@@ -16,7 +16,7 @@ from audit.commands.common import run_command
 @click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
 @click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=9, show_default=True, metavar="K",
+@click.option("--prompts", "prompt_count", type=int, default=9, show_default=True, metavar="K",
               help="Fresh prompts to time, each as long as one of the stream's (in turn); at least 6, the fewest "
                    "whose median has a 95% interval (9 and more give one inside the extremes).")
 @click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
