@@ -17,7 +17,7 @@ from core import determinism
 from core.devices import check_device
 from core.errors import UserError
 from core.models import device_name, load_model
-from core.paths import nearest_existing, try_new_file
+from core.paths import check_output_file, nearest_existing, try_new_file
 from core.prompts import load_prompts, parse_corpus_spec
 
 from audit import checks
@@ -151,7 +151,11 @@ AUDIT_SCHEMAS = ("qwen35-exact/audit/", "qwen35-exact/retime/", "qwen35-exact/to
 def check_replaceable(out_path: Path) -> None:
     """An existing ``out_path`` is replaced only when it is an audit's own document (an earlier
     audit.json, retime.json or tokens audit): anything else, a stream included, is the user's."""
-    if not out_path.is_file():
+    try:
+        check_output_file(out_path)
+    except UserError as exc:
+        raise BadInput(str(exc)) from None
+    if not out_path.exists():
         return
     try:
         with open(out_path, encoding="utf-8") as fh:

@@ -49,14 +49,30 @@ def kernel_filesystem(st: os.stat_result, mountinfo: Path = Path("/proc/self/mou
     return None
 
 
+def check_output_file(path: Path, flag: str = "--out") -> Path:
+    """What writing a document to ``path`` would replace, checked before any work. A symbolic link
+    is written through (its target gets the document and the link stays: ``AtomicFile``), so a
+    dangling one is refused; so is anything there that is not a regular file (a directory, a
+    FIFO, a device such as /dev/null): it is never replaced. Returns ``path``."""
+    from core.errors import UserError
+
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{flag} {str(path)!r} is a symbolic link to {os.readlink(path)!r}, which does not exist")
+    if path.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{flag} {str(path)!r} is not a regular file (a device, FIFO or socket): it is not "
+                        "replaced; give a file name")
+    return path
+
+
 def check_new_output(path: Path, force: bool, flag: str = "--out") -> Path:
     """Refuse, before any work, an output file that cannot be written or would replace one the
     user has (unless ``force``): ``UserError`` naming ``flag``."""
     from core.errors import UserError
 
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
+    path = check_output_file(path, flag)
     if path.exists() and not force:
         raise UserError(f"{flag} {str(path)!r} exists; pass --force to replace it")
     parent = path.resolve().parent
@@ -83,7 +99,8 @@ class AtomicFile:
     before it makes anything, and an exit handler aborts whatever is still registered."""
 
     def __init__(self, path: Path, suffix: str = ".tmp"):
-        self.path = Path(path)
+        # through a symbolic link to its target: the user's link stays a link
+        self.path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
         self.fh = None
         self.committed = False
         self.pid = os.getpid()  # a forked child's exit must not remove its parent's file

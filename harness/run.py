@@ -4,6 +4,7 @@ side by side, write the stream atomically and print the table (under torchrun: `
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import signal
 import statistics
 import tempfile
@@ -13,6 +14,7 @@ import click
 
 from core.devices import check_device
 from core.errors import Stopped, UserError
+from core.paths import check_output_file
 from core.schema import AtomicJsonlWriter
 from harness.header import build_header, prompt_record, rank_info
 from harness.load import busy_warning, machine_load
@@ -78,13 +80,13 @@ def choose_stream_path(decoder_spec: str, out_dir: Path | None, force: bool) -> 
     --out that cannot be a directory, before anything heavy runs."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = out_dir or Path("runs") / f"{decoder_spec.replace(':', '_').replace('/', '_')}-{stamp}"
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise UserError(f"--out {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist")
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise UserError(f"--out {out_dir}: {existing} is a file, not a directory; give a directory for stream.jsonl")
     check_writable(out_dir, existing or Path("."))
-    stream_path = out_dir / "stream.jsonl"
-    if stream_path.is_dir():
-        raise UserError(f"{stream_path} is a directory; choose another --out")
+    stream_path = check_output_file(out_dir / "stream.jsonl", "--out")
     if stream_path.exists() and not force:
         raise UserError(f"{stream_path} exists; pass --force to replace it or choose another --out")
     return stream_path

@@ -13,6 +13,8 @@ from pathlib import Path
 from reports.load import CONTROL_ROLE
 from reports.summary import PHASES, describe_divergence
 
+RENDERED_BY = "Rendered by `reports render`."  # a line of every report: how a render knows its own
+
 FIGURE_TITLES = {
     "speedup": "Speedup per prompt",
     "ms_per_token": "Time per generated token",
@@ -383,7 +385,7 @@ def provenance_section(summary: dict) -> str:
         ["Versions", versions or "—"],
         ["Model identity", f"`{json.dumps(summary['model'], sort_keys=True)}`"],
     ]
-    return "## Provenance\n\n" + table(["", ""], rows) + "\n\nRendered by `reports render`."
+    return "## Provenance\n\n" + table(["", ""], rows) + "\n\n" + RENDERED_BY
 
 
 def appendix_section(summary: dict) -> str:

@@ -2,9 +2,11 @@
 
 Everything is produced in a temporary directory inside RUN_DIR. Only when all of it exists is it
 moved into place: the old report.md is removed first (so no report ever points at figures being
-swapped), then figures/ is swapped in, then report.md is renamed into place last. A render that
-fails at any point leaves the previous report and figures as they were and no new report.md, so a
-report.md in RUN_DIR is always a complete one.
+swapped), then each figure is moved into figures/, then report.md is renamed into place last. A
+render that fails at any point leaves the previous report and figures as they were and no new
+report.md, so a report.md in RUN_DIR is always a complete one. Only this tool's own files are
+replaced: a report.md it did not write is refused before any work, and figures/ keeps every file
+but the figures it draws.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from core.errors import UserError
 from reports import tokens
 from reports.figures import FIGURES
 from reports.load import STREAM_NAME, TOKENS_AUDIT_NAME, load_run
-from reports.markdown import report_text
+from reports.markdown import RENDERED_BY, report_text
 from reports.summary import summarize_run
 
 REPORT_NAME = "report.md"
@@ -30,6 +32,7 @@ def render_run(run_dir) -> dict:
     A directory with a token audit (audit_tokens.json) and no stream gets the token audit's report;
     beside a stream, the token audit is a section of the run's report."""
     run_dir = Path(run_dir)
+    check_own_files(run_dir)
     tokens_path = run_dir / TOKENS_AUDIT_NAME
     tokens_doc = tokens.load_tokens_audit(tokens_path) if tokens_path.is_file() else None
     if tokens_doc is not None and not (run_dir / STREAM_NAME).exists():
@@ -73,10 +76,34 @@ def draw_figures(summary: dict, fig_dir: Path) -> dict:
     return figures
 
 
+def check_own_files(run_dir: Path) -> None:
+    """Refuse, before any work, a report.md this tool did not write and a figures/ that is not a
+    directory: a render replaces neither."""
+    report, figures = run_dir / REPORT_NAME, run_dir / FIGURES_DIR
+    if report.is_symlink() or (report.exists() and not is_own_report(report)):
+        raise UserError(f"{report} exists and is not a report `reports render` wrote: it is not replaced; "
+                        "move it away first")
+    if (figures.exists() or figures.is_symlink()) and not (figures.is_dir() and not figures.is_symlink()):
+        raise UserError(f"{figures} exists and is not a directory of figures: it is not replaced; move it away first")
+
+
+def is_own_report(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(8 << 20)
+    except OSError:
+        return False
+    return path.is_file() and RENDERED_BY in text.splitlines()
+
+
 def move_into_place(tmp: Path, run_dir: Path) -> None:
     report, figures = run_dir / REPORT_NAME, run_dir / FIGURES_DIR
     report.unlink(missing_ok=True)
-    if figures.exists() or figures.is_symlink():
-        os.replace(figures, tmp / "previous-figures")  # deleted with tmp
-    os.replace(tmp / FIGURES_DIR, figures)
+    figures.mkdir(exist_ok=True)
+    drawn = {p.name for p in (tmp / FIGURES_DIR).iterdir()}
+    for stem in (*FIGURES, tokens.FIGURE_STEM):  # a figure of an earlier render this one did not draw
+        if f"{stem}.png" not in drawn:
+            (figures / f"{stem}.png").unlink(missing_ok=True)
+    for name in sorted(drawn):
+        os.replace(tmp / FIGURES_DIR / name, figures / name)
     os.replace(tmp / REPORT_NAME, report)  # last: a report.md present means the render finished

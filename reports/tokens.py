@@ -17,7 +17,7 @@ from matplotlib.ticker import MaxNLocator
 from core.errors import UserError
 from reports.figures import new_figure, save, titles
 from reports.load import read_json
-from reports.markdown import cell, table
+from reports.markdown import RENDERED_BY, cell, table
 
 KIND = "tokens-audit"
 SCHEMA = "qwen35-exact/tokens-audit/1"
@@ -219,4 +219,4 @@ def report_text(doc: dict, figure: str | None, source: str) -> str:
     """A whole report for a directory that holds a token audit and no run."""
     model = (doc.get("model") or {}).get("name", "?")
     title = f"# Token audit: {cell(Path(doc['file']).name)} · {model} · {doc['verdict']}"
-    return title + "\n\n" + section(doc, figure, source) + "\n\nRendered by `reports render`.\n"
+    return title + "\n\n" + section(doc, figure, source) + "\n\n" + RENDERED_BY + "\n"

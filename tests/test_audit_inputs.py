@@ -376,3 +376,18 @@ def test_read_records_of_the_clean_stream_are_unchanged_by_the_reader(clean_stre
     records, integrity = schema.read_stream(clean_stream)
     assert records == read_records(clean_stream)
     assert integrity == {"present": True, "count_ok": True, "sha256_ok": True}
+
+
+def test_an_out_that_is_a_fifo_or_a_device_is_never_replaced(tmp_path):
+    """`--out /dev/null` ("only the exit status") must not replace the device, as root least of all."""
+    import os
+
+    from audit.pipeline import check_replaceable
+    from audit.stream import BadInput
+
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null")):
+        with pytest.raises(BadInput, match="not a regular file"):
+            check_replaceable(path)
+    assert not fifo.is_file()

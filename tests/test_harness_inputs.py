@@ -119,3 +119,19 @@ def test_replacing_a_stream_notes_the_audit_of_the_one_before(tmp_path):
     os.utime(out / "audit.json", (1, 1))  # older than any stream written now
     result, _ = time_cmd(tmp_path, "--force")
     assert result.exit_code == 0 and "note: audit.json in" in result.output and "audit the new one again" in result.output
+
+
+def test_a_dangling_link_or_a_fifo_as_the_stream_is_refused_before_the_model_loads(tmp_path):
+    import os
+
+    from core.errors import UserError
+    from harness.run import choose_stream_path
+
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere" / "x")
+    with pytest.raises(UserError, match="which does not exist"):
+        choose_stream_path("spec", dangling, force=False)
+    (tmp_path / "run").mkdir()
+    os.mkfifo(tmp_path / "run" / "stream.jsonl")
+    with pytest.raises(UserError, match="not a regular file"):
+        choose_stream_path("spec", tmp_path / "run", force=True)

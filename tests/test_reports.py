@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from core.errors import UserError
 from core.schema import SCHEMA, AtomicJsonlWriter, abba_roles, write_json_atomic
 from harness.timing import summarize_prompt
 from reports import figures as figures_mod
@@ -713,8 +714,9 @@ def test_failed_render_keeps_previous_report_and_leaves_no_partial(tiny_run, mon
 
 
 def test_rerender_replaces_figures(tiny_run):
+    """A figure an earlier render drew and this one does not (no token audit now) goes."""
     render_run(tiny_run)
-    (tiny_run / "figures" / "stale.png").write_bytes(PNG_MAGIC)
+    (tiny_run / "figures" / "token_margins.png").write_bytes(PNG_MAGIC)
     summary = render_run(tiny_run)
     assert sorted(p.stem for p in (tiny_run / "figures").iterdir()) == sorted(summary["figures"])
     assert sorted(p.name for p in tiny_run.iterdir()) == ["figures", "report.md", "stream.jsonl"]
@@ -833,3 +835,25 @@ def test_a_header_sampler_that_defines_none_is_one_line(tiny_run):
     res = render_cli(tiny_run)
     assert res.exit_code == 2 and "header sampler" in res.output, res.output
     assert not (tiny_run / "report.md").exists()
+
+
+def test_a_render_replaces_only_its_own_files(tiny_run):
+    """The user's report.md is refused before any work; their files in figures/ stay; a report
+    the tool wrote is replaced, and a figure it no longer draws goes."""
+    (tiny_run / "report.md").write_text("my notes\n")
+    with pytest.raises(UserError, match="not a report `reports render` wrote"):
+        render_run(tiny_run)
+    assert (tiny_run / "report.md").read_text() == "my notes\n"
+    (tiny_run / "report.md").unlink()
+    (tiny_run / "figures").mkdir()
+    (tiny_run / "figures" / "holiday.png").write_text("x")
+    (tiny_run / "figures" / "token_margins.png").write_text("an earlier render's")
+    render_run(tiny_run)
+    render_run(tiny_run)  # its own report: replaced
+    left = sorted(p.name for p in (tiny_run / "figures").iterdir())
+    assert "holiday.png" in left and "token_margins.png" not in left and "ms_per_token.png" in left
+    (tiny_run / "report.md").unlink()
+    (tiny_run / "figures").rename(tiny_run / "figs")
+    (tiny_run / "figures").write_text("a file")
+    with pytest.raises(UserError, match="not a directory of figures"):
+        render_run(tiny_run)
