@@ -17,12 +17,13 @@ from core.errors import UserError
 from core.paths import kernel_filesystem, try_new_file
 
 
-def check_record_path(path) -> Path:
+def check_record_path(path, last_line: bool = True) -> Path:
     """Refuse, before any work, a record path that cannot be appended to: a directory, a
     device or other non-regular file, a missing or unwritable parent directory. Writability is
     tried, not asked of ``os.access`` (which says yes to root on a read-only mount or a kernel
     file system): an existing file is opened for appending, a missing one's directory takes a
-    probe file, and nothing is left behind."""
+    probe file, and nothing is left behind. ``last_line``: also refuse an existing file whose last
+    line is unfinished or not a record (``last_line_problem``)."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -49,7 +50,38 @@ def check_record_path(path) -> Path:
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)))
     except OSError as exc:
         raise UserError(f"record file {str(path)!r} is not writable ({exc.strerror})") from None
+    problem = last_line_problem(path, st.st_size) if last_line else None
+    if problem:
+        raise UserError(f"record file {str(path)!r} {problem}: a record appended to it would be lost; "
+                        "give a new file or a file of records")
     return path
+
+
+TAIL_BYTES = 1 << 20  # of an existing record file, read to check its last line (a record is ~7 bytes a token)
+
+
+def last_line_problem(path: Path, size: int) -> str | None:
+    """Why appending to a file of ``size`` bytes would not make a record of its own line (None:
+    it would): its last line is not finished, or is not a JSON object, so it is not a file of
+    records. A last line longer than ``TAIL_BYTES`` is taken on trust once it ends."""
+    if size == 0:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - TAIL_BYTES))
+            tail = fh.read(TAIL_BYTES)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not tail.endswith(b"\n"):
+        return "does not end with a newline (its last line is unfinished)"
+    lines = tail[:-1].split(b"\n")
+    if len(lines) == 1 and size > len(tail):
+        return None
+    try:
+        record = json.loads(lines[-1])
+    except ValueError:
+        return "is not a file of records (its last line is not JSON)"
+    return None if isinstance(record, dict) else "is not a file of records (its last line is not a JSON object)"
 
 
 def record_line(record: dict) -> bytes:
@@ -59,7 +91,7 @@ def record_line(record: dict) -> bytes:
 def append_record(path, record: dict) -> None:
     """Append ``record`` as one line of ``path`` (created if missing) in a single write, then
     flush it to disk."""
-    path = check_record_path(path)
+    path = check_record_path(path, last_line=False)  # others may be appending now: their lines are whole
     data = record_line(record)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     try:

@@ -111,3 +111,21 @@ def test_the_file_system_is_found_by_the_files_device_in_the_mount_table(tmp_pat
     assert kernel_filesystem(status(8, 1), table) is None  # a disk
     assert kernel_filesystem(status(9, 9), table) is None  # not in the table
     assert kernel_filesystem(status(0, 21), tmp_path / "missing") is None
+
+
+def test_a_file_whose_last_line_is_unfinished_or_not_a_record_is_refused(tmp_path):
+    """Appending to either would glue the record to another line, or bury it in a text file."""
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text('{"prompt_token_ids": [1, 2], "output_token_ids": [3')
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("[1, 2]\n")
+    for path, words in ((partial, "does not end with a newline"), (notes, "last line is not JSON"),
+                        (listed, "not a JSON object")):
+        with pytest.raises(UserError, match=words):
+            check_record_path(path)
+    good = tmp_path / "good.jsonl"
+    append_record(good, {"id": "a"})
+    append_record(good, {"id": "b"})
+    assert check_record_path(good) == good
