@@ -2,7 +2,9 @@
 ``main(argv)`` callers use it), and bad usage is one ``error:`` line with exit status 2."""
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 
 import click
 from click.exceptions import NoArgsIsHelpError
@@ -90,3 +92,12 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose usage errors are one ``error:`` line naming ``--help``, exit 2,
+    as every other command's are (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

@@ -11,11 +11,11 @@ vocabulary: a shortlist can only change which drafts are proposed, never which t
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from pathlib import Path
 
+from core.clirun import OneLineArgumentParser
 from core.errors import UserError
 
 
@@ -55,7 +55,7 @@ def from_streams(model, streams: list[list[int]], max_new_tokens: int, size: int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoders.shortlist", description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(prog="python -m decoders.shortlist", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=256)

@@ -342,3 +342,15 @@ def test_cli_refuses_an_existing_or_unwritable_out_and_a_bad_device_before_the_m
         assert trace_main(["--model", "tiny", *argv]) == 2
         assert words in capsys.readouterr().err
     assert mine.read_text() == "my notes"
+
+
+def test_a_usage_mistake_is_one_error_line(capsys):
+    """argparse's own errors too: not its usage block then a line."""
+    from decoders.shortlist import main as shortlist_main
+
+    for main, argv in ((trace_main, ["--model", "tiny", "-n", "nan", "--out", "t.json"]), (trace_main, []),
+                       (shortlist_main, ["--model", "tiny"])):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and "--help" in err[0]

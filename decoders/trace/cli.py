@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+from core.clirun import OneLineArgumentParser
 from core.errors import EXIT_INTERRUPTED, UserError
 from decoders.trace import MAX_HEAD_TOP_K, MAX_TRACE_DEPTH
 from decoders.trace import __doc__ as FORMAT_DOC
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoders.trace", description=FORMAT_DOC.split("\n\n")[0],
+    ap = OneLineArgumentParser(prog="python -m decoders.trace", description=FORMAT_DOC.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
