@@ -66,6 +66,8 @@ def read_prompt(opts: GenerateOptions, stdin=None) -> str | list[int]:
             raise UserError(f"prompt file {str(opts.prompt_file)!r} is not UTF-8 text") from None
         except OSError as exc:
             raise UserError(f"cannot read prompt file {str(opts.prompt_file)!r}: {exc.strerror or exc}") from None
+    elif (opts.prompt == "-" or opts.prompt is None) and stdin is None:
+        raise UserError("no prompt: stdin is closed; give it as an argument or with --prompt-file FILE")
     elif opts.prompt == "-" or (opts.prompt is None and not stdin.isatty()):
         try:
             text = stdin.read()
@@ -113,6 +115,8 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
     """Decode the prompt, stream or print it, append the record; returns the JSON document."""
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
+    if stdout is None:
+        raise UserError("stdout is closed: there is nowhere to write the text")
     text = read_prompt(opts, stdin)
     kwargs = check_before_load(opts)
     import transformers
@@ -128,8 +132,7 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
 
     def stream(new_ids, new_text):
         if new_text:
-            stdout.write(new_text)
-            stdout.flush()
+            write_out(stdout, new_text)
     from core.sampling import GREEDY
 
     sampler = opts.sampler or GREEDY
@@ -144,13 +147,41 @@ def run_generate(opts: GenerateOptions, stdin=None, stdout=None, stderr=None) ->
                                                      gen.token_ids, opts.max_new_tokens, dec.name,
                                                      dec.model.identity["name"], sampler))
     if opts.json:
-        stdout.write(json.dumps(doc) + "\n")
+        write_out(stdout, json.dumps(doc) + "\n")
     elif stdout.isatty() or same_file(stdout, stderr):
-        stdout.write("\n")  # the stats line starts a line of its own where a reader sees both
-    stdout.flush()
+        write_out(stdout, "\n")  # the stats line starts a line of its own where a reader sees both
     stderr.write(stats_line(gen) + "\n")
     stderr.flush()
     return doc
+
+
+class StdoutLost(UserError):
+    """The text could not be written to stdout: a full disk, a reader that closed the pipe, an
+    encoding that cannot hold it."""
+
+
+def write_out(stdout, text: str) -> None:
+    """``text`` to stdout now, or ``StdoutLost`` saying why not (the decode stops there)."""
+    try:
+        stdout.write(text)
+        stdout.flush()
+    except UnicodeEncodeError as exc:
+        raise StdoutLost(f"cannot write the text to stdout: its encoding {exc.encoding} cannot hold "
+                         f"{exc.object[exc.start:exc.end]!r} (set PYTHONIOENCODING=utf-8)") from None
+    except OSError as exc:
+        discard_stdout(stdout)
+        raise StdoutLost(f"cannot write the text to stdout ({exc.strerror or exc})") from None
+
+
+def discard_stdout(stdout) -> None:
+    """Point stdout's descriptor at /dev/null, so that the interpreter's flush at exit does not
+    fail again on what is left in its buffer."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def stats_line(gen) -> str:

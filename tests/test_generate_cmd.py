@@ -267,3 +267,21 @@ def test_with_stderr_on_stdout_the_stats_line_is_a_line_of_its_own(tiny, tmp_pat
     want = tok.decode(hf_greedy(tiny, tok.encode(PROMPT), 8), skip_special_tokens=True)
     text = out.read_text()
     assert text.startswith(want + "\n") and text.splitlines()[-1].startswith("8 tokens (")
+
+
+def test_a_stdout_that_fails_stops_the_decode_with_one_line_and_no_record(tmp_path):
+    """A full disk, or no stdout or stdin at all (``>&-``, ``<&-``): one error line, nothing
+    recorded, never a traceback."""
+    import shlex
+
+    record = tmp_path / "r.jsonl"
+    command = shlex.join([sys.executable, "-m", "harness", "generate", "--model", "tiny", "-n", "8",
+                          "--record", str(record)])
+    for shell, words in ((f"{command} hi >/dev/full", "No space left on device"),
+                         (f"{command} hi >&-", "stdout is closed"),
+                         (f"{command} <&-", "stdin is closed")):
+        proc = subprocess.run(["sh", "-c", shell], stderr=subprocess.PIPE, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode in (1, 2) and len(lines) == 1 and words in lines[0], proc.stderr
+    assert not record.exists()

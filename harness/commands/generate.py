@@ -8,7 +8,7 @@ import click
 from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
-from harness.generate import GenerateOptions, run_generate  # torch loads only when it runs
+from harness.generate import GenerateOptions, StdoutLost, run_generate  # torch loads only when it runs
 from harness.options import SAMPLING_HELP, parse_sampling
 
 
@@ -66,3 +66,5 @@ def interruptible(opts: GenerateOptions) -> None:
         run_generate(opts)
     except KeyboardInterrupt:
         fail("interrupted; no record was written", 130)
+    except StdoutLost as exc:
+        fail(f"{exc}; stopped, no record was written", 1)
