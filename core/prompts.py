@@ -7,7 +7,7 @@ Built-in sets:
   stdlib-train / stdlib-dev / stdlib-heldout
               snippets (~400 characters from a line start) of the running Python's standard library,
               from one split of core/corpus.py (the split the built-in `small` model was trained
-              with): 512 / 32 / 10 prompts by default; NAME:N (e.g. stdlib-train:2048, any N >= 1)
+              with): 512 / 32 / 10 prompts by default; NAME:N (e.g. stdlib-train:2048, N within 1..100,000)
               cuts N snippets instead: snippet k comes from file k mod (number of files) at a line
               start hashed from (path, k), so the first 512 of stdlib-train:N are stdlib-train and a
               larger N adds new snippets (several per file). stdlib-train feeds `heads train`;
@@ -35,6 +35,7 @@ DEV_FILE = FIXTURES / "prompts" / "dev.jsonl"
 
 # name -> (corpus split, default count); NAME:N asks for N snippets
 CORPUS_SETS = {"stdlib-train": ("train", 512), "stdlib-dev": ("dev", 32), "stdlib-heldout": ("heldout", 10)}
+MAX_CORPUS_PROMPTS = 100_000  # NAME:N beyond it is a typo, not a set: 100k snippets are ~60 MB of text
 SNIPPET_CHARS = 400
 # name -> (count, seed, id prefix)
 RANDOM_SETS = {"random-512": (8, 0, "random"), "random-512-offline": (64, 1, "offline")}
@@ -75,7 +76,7 @@ def snippet_at(text: str, position: int, chars: int = SNIPPET_CHARS) -> str:
 
 
 def parse_corpus_spec(spec: str) -> tuple[str, int] | None:
-    """``(split, count)`` for a corpus set given as ``NAME`` or ``NAME:N`` (N an integer >= 1); None
+    """``(split, count)`` for a corpus set given as ``NAME`` or ``NAME:N`` (N an integer within 1..MAX_CORPUS_PROMPTS); None
     when ``spec`` names no corpus set (another built-in set or a file). A bad count, or a count
     given to a set that takes none, is a UserError."""
     name, sep, count = spec.partition(":")
@@ -83,9 +84,9 @@ def parse_corpus_spec(spec: str) -> tuple[str, int] | None:
         split, default = CORPUS_SETS[name]
         if not sep:
             return split, default
-        if not (count.isascii() and count.isdigit()) or int(count) < 1:
-            raise UserError(f"prompt set {spec!r}: the count after {name + ':'!r} must be an integer >= 1 "
-                            f"(e.g. {name}:2048)")
+        if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= MAX_CORPUS_PROMPTS:
+            raise UserError(f"prompt set {spec!r}: the count after {name + ':'!r} must be an integer within "
+                            f"1..{MAX_CORPUS_PROMPTS} (e.g. {name}:2048)")
         return split, int(count)
     if sep and (name in RANDOM_SETS or name == "dev") and not Path(spec).is_file():
         raise UserError(f"prompt set {name!r} takes no count (only the corpus sets "
@@ -152,6 +153,8 @@ def load_prompts(spec: str | None, model, limit: int | None = None) -> tuple[lis
         digest_src = read_regular(path)  # hashed and parsed from one read: the file may change
         entries = parse_jsonl(path, digest_src)
         source = "builtin:dev" if spec == "dev" else str(path)
+    if limit is not None and source.startswith("builtin:"):
+        entries = entries[:limit]  # a built-in set is valid by construction: tokenize only what is used
     prompts, seen = [], set()
     for lineno, obj in entries:
         pid = obj.get("id")

@@ -317,7 +317,7 @@ def test_split_caps():
     assert [p.id for p in c["heldout"]] == [p.id for p in s["heldout"][:7]]  # a cap keeps a prefix of the order
 
 
-def test_corpus_prompt_sets_take_a_count(tiny):
+def test_corpus_prompt_sets_take_a_count(tiny, monkeypatch):
     base, info = load_prompts("stdlib-dev", tiny)
     assert len(base) == 32 and info["source"] == "builtin:stdlib-dev"
     few, _ = load_prompts("stdlib-dev:3", tiny)
@@ -326,11 +326,19 @@ def test_corpus_prompt_sets_take_a_count(tiny):
     assert [p.token_ids for p in more[:32]] == [p.token_ids for p in base]  # a larger N extends the set
     assert len(more) == 40 and len({p.id for p in more}) == 40 and len({p.text for p in more}) == 40
     assert info["source"] == "builtin:stdlib-dev:40"
+    # --limit takes the first prompts of the same set: the set's digest, only those tokenized
+    calls = []
+    encode = tiny.tokenizer.get().encode
+    monkeypatch.setattr(tiny.tokenizer.get(), "encode", lambda text: calls.append(text) or encode(text))
+    first, first_info = load_prompts("stdlib-dev:40", tiny, limit=2)
+    assert [p.token_ids for p in first] == [p.token_ids for p in more[:2]] and len(calls) == 2
+    assert first_info["sha256"] == info["sha256"] and first_info["count"] == 2
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("stdlib-train:0", "integer >= 1"), ("stdlib-train:-2", "integer >= 1"), ("stdlib-train:x", "integer >= 1"),
-    ("stdlib-train:", "integer >= 1"), ("stdlib-train:1.5", "integer >= 1"), ("dev:3", "takes no count"),
+    ("stdlib-train:0", "integer within"), ("stdlib-train:-2", "integer within"), ("stdlib-train:x", "integer within"),
+    ("stdlib-train:", "integer within"), ("stdlib-train:1.5", "integer within"), ("dev:3", "takes no count"),
+    ("stdlib-train:999999999", "integer within 1..100000"),
     ("random-512:4", "takes no count"), ("no-such-set", "not a built-in prompt set"),
 ])
 def test_bad_prompt_set_specs_are_user_errors(tiny, spec, needle, tmp_path, capsys):
