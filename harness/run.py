@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import shlex
 import signal
 import statistics
 import tempfile
@@ -119,6 +120,6 @@ def time_in_one_process(setup: Setup, header: dict, stream_path: Path, opts: Tim
         writer.write_end(median_ratio=median_ratio)
         writer.commit()
     click.echo(render_table(summaries, median_ratio, candidate.name))
-    click.echo(f"wrote {stream_path}  (check it: audit replay {stream_path})")
+    click.echo(f"wrote {stream_path}  (check it: audit replay {shlex.quote(str(stream_path))})")
     note_stale_documents(stream_path)
     return stream_path

@@ -3,6 +3,7 @@ then rank 0 writes the merged stream."""
 from __future__ import annotations
 
 import hashlib
+import shlex
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -144,6 +145,6 @@ def write_merged(stream_path: Path, header: dict, violations: list[dict], entrie
         writer.write_end(median_ratio=median_ratio)
         writer.commit()
     click.echo(render_table(summaries, median_ratio, setup.candidate.name))
-    click.echo(f"wrote {stream_path} from {header['world_size']} ranks  (check it: audit replay {stream_path})")
+    click.echo(f"wrote {stream_path} from {header['world_size']} ranks  (check it: audit replay {shlex.quote(str(stream_path))})")
     note_stale_documents(stream_path)
     return stream_path

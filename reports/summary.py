@@ -12,6 +12,7 @@ only, and only when it names this stream's sha256; otherwise the run counts as n
 """
 from __future__ import annotations
 
+import shlex
 import statistics
 from collections import Counter
 
@@ -249,13 +250,13 @@ def banners(s: dict) -> list[dict]:
         out.append({"kind": "not-audited", "title": "NOT AUDITED",
                     "text": "There is no audit.json in this run directory: the tokens have not been checked "
                             "against serial greedy decoding and there is no score. Nothing below is verified. "
-                            f"Check it with `audit replay {stream}`."})
+                            f"Check it with `audit replay {shlex.quote(str(stream))}`."})
     elif audit["status"] == "mismatch":
         out.append({"kind": "audit-mismatch", "title": "AUDIT DOES NOT MATCH THIS STREAM",
                     "text": f"audit.json was made from a stream with sha256 {audit['stream_sha256'][:16]}…, but "
                             f"this stream.jsonl has sha256 {s['stream']['sha256'][:16]}…. Its verdict and score "
                             "describe another stream, so this run is treated as NOT AUDITED. "
-                            f"Re-run `audit replay {stream}`."})
+                            f"Re-run `audit replay {shlex.quote(str(stream))}`."})
     elif audit["status"] == "fail":
         fails = [f for f in audit["findings"] if f["severity"] == "fail"]
         text = (f"The audit's verdict is FAIL (exact: {'yes' if audit['exact'] else 'NO'}, consistent: "

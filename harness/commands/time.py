@@ -1,6 +1,7 @@
 """``harness time``: parse the options, time the candidate against the control, optionally render."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -89,4 +90,4 @@ def render_report(run_dir: Path) -> None:
         fail(f"the stream is intact, but the report could not be rendered ({type(exc).__name__}: {exc}); "
              f"retry with `reports render {run_dir}`", 1)
     click.echo(f"report: {summary['report']}")
-    click.echo(f'note: the report shows "NOT AUDITED" until `audit replay {run_dir / "stream.jsonl"}` runs')
+    click.echo(f'note: the report shows "NOT AUDITED" until `audit replay {shlex.quote(str(run_dir / "stream.jsonl"))}` runs')
