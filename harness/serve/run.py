@@ -18,14 +18,23 @@ from harness.serve.options import ServeOptions
 from harness.serve.schemas import Limits
 from harness.serve.worker import DecodeWorker, recorder
 
+
 def run_serve(opts: ServeOptions) -> None:
     """Serve until interrupted. Every user mistake (a bad model, decoder, device, address or
     record path) is a UserError before anything listens."""
     args = parse_decoder_args(opts.decoder_args)
     if opts.record is not None:
         check_record_path(opts.record)  # before the load: a typo costs no model load
-    # sized once for the longest request the server takes: no request waits for the state to grow
-    dec = open_decoder(opts.model, opts.decoder, device=opts.device, max_positions=opts.max_context, **args)
+    sock = listen(opts.host, opts.port)  # a busy port or a bad address costs no model load either
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # expected "no fast kernel" notices
+        # sized once for the longest request the server takes: no request waits for the state to grow
+        dec = open_decoder(opts.model, opts.decoder, device=opts.device, max_positions=opts.max_context, **args)
+    except BaseException:
+        sock.close()
+        raise
     max_context = opts.context_for(dec.model.context)
     dec.reserve(max_context)  # the default's size, known once the model is: a no-op for --max-context
     on_finished = recorder(opts.record, dec) if opts.record is not None else None
@@ -34,7 +43,6 @@ def run_serve(opts: ServeOptions) -> None:
                     max_new_tokens_limit=opts.max_new_tokens_limit, vocab_size=dec.model.vocab_size)
     worker = DecodeWorker(dec, opts.queue_size, on_finished=on_finished, max_context=max_context)
     app = create_app(dec, limits, worker)
-    sock = listen(opts.host, opts.port)
     setup_logging()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
