@@ -106,6 +106,7 @@ class AtomicFile:
         self.pid = os.getpid()  # a forked child's exit must not remove its parent's file
         self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
         self.tmp = self.path.parent / f".{self.path.name}.{secrets.token_hex(8)}{suffix}"
+        self.found = file_identity(self.path)  # what commit may replace: nothing else
         _UNFINISHED.add(self)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,9 +121,17 @@ class AtomicFile:
             raise
 
     def commit(self) -> None:
+        """Rename the finished file into place; ``UserError`` (the temporary file kept for the
+        ``with`` block to remove) where another process wrote ``path`` since this writer began:
+        two runs given one output must not both report success while one result is lost."""
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
+        if file_identity(self.path) != self.found:
+            from core.errors import UserError
+
+            raise UserError(f"{self.path} was written by another process while this one ran: it is not "
+                            "replaced, and this result is not written; give each run its own output")
         os.replace(self.tmp, self.path)
         self.committed = True
         _UNFINISHED.discard(self)
@@ -146,6 +155,15 @@ class AtomicFile:
         if not self.committed:
             self.abort()
         return False
+
+
+def file_identity(path: Path) -> tuple | None:
+    """Which file is at ``path`` (device, inode, size, modification time), None where none is."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 _UNFINISHED: set[AtomicFile] = set()

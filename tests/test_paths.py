@@ -45,3 +45,20 @@ def test_an_atomic_file_through_a_link_leaves_no_temporary_beside_the_link(tmp_p
         out.commit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "real"]
     assert (tmp_path / "real" / "out.txt").read_text() == "x" and link.is_symlink()
+
+
+def test_an_output_another_process_wrote_meanwhile_is_not_replaced(tmp_path):
+    """Two runs given one --out: the second to finish says so instead of replacing the first's."""
+    out = tmp_path / "run" / "stream.jsonl"
+    with pytest.raises(UserError, match="written by another process"):
+        with AtomicFile(out) as mine:
+            mine.fh.write("mine\n")
+            with AtomicFile(out) as theirs:  # the other run, finishing first
+                theirs.fh.write("theirs\n")
+                theirs.commit()
+            mine.commit()
+    assert out.read_text() == "theirs\n" and sorted(p.name for p in out.parent.iterdir()) == ["stream.jsonl"]
+    with AtomicFile(out) as again:  # a file that was there when the writer began is replaced
+        again.fh.write("again\n")
+        again.commit()
+    assert out.read_text() == "again\n"
