@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 import click
 from click.exceptions import NoArgsIsHelpError
@@ -101,3 +102,17 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+
+
+class Pace:
+    """The time left at the pace so far, for progress lines in a log (no bar off a terminal):
+    ``Pace(total)(done)`` is ", about N s left", or ", N s in all" once done."""
+
+    def __init__(self, total: int, clock=time.monotonic):
+        self.total, self.clock, self.started = total, clock, clock()
+
+    def __call__(self, done: int) -> str:
+        spent = self.clock() - self.started
+        if done >= self.total:
+            return f", {spent:.0f} s in all"
+        return f", about {spent / max(done, 1) * (self.total - done):.0f} s left"

@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from core.clirun import OneLineArgumentParser
+from core.clirun import OneLineArgumentParser, Pace
 from core.errors import UserError
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         model = load_model(args.model, check_device(args.device))
         prompts, info = load_prompts(args.prompts, model)
         data = build(model, prompts, args.max_new_tokens, min(args.size, model.vocab_size),
-                     lambda i, n: print(f"generated {i}/{n}", file=sys.stderr))
+                     progress_lines(len(prompts)))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -95,6 +95,12 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: {data['size']} ids ({data['distinct_generated']} distinct in "
           f"{data['generated_tokens']} generated tokens)")
     return 0
+
+
+def progress_lines(total: int):
+    """``generated i/n`` on stderr after each prompt, with the time left."""
+    pace = Pace(total)
+    return lambda done, total: print(f"generated {done}/{total}{pace(done)}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

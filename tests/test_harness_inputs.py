@@ -135,3 +135,17 @@ def test_a_dangling_link_or_a_fifo_as_the_stream_is_refused_before_the_model_loa
     os.mkfifo(tmp_path / "run" / "stream.jsonl")
     with pytest.raises(UserError, match="not a regular file"):
         choose_stream_path("spec", tmp_path / "run", force=True)
+
+
+def test_progress_lines_in_a_log_say_the_time_left(capsys):
+    """Off a terminal one line per prompt, with the time left at the pace so far (an injected clock)."""
+    from harness.progress import Progress
+
+    now = [100.0]
+    with Progress(3, 2, clock=lambda: now[0]) as progress:
+        for i, spent in enumerate((10.0, 10.0, 10.0)):
+            now[0] += spent
+            progress.prompt_done(f"p{i}", 1.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["p0: 1/3 prompts, ratio 1.500, about 20 s left", "p1: 2/3 prompts, ratio 1.500, about 10 s left",
+                     "p2: 3/3 prompts, ratio 1.500, 30 s in all"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from core.clirun import OneLineArgumentParser
+from core.clirun import OneLineArgumentParser, Pace
 from core.errors import EXIT_INTERRUPTED, UserError
 from decoders.trace import MAX_HEAD_TOP_K, MAX_TRACE_DEPTH
 from decoders.trace import __doc__ as FORMAT_DOC
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
         model.require_mtp("trace")
         prompts, info = load_prompts(args.prompts, model, args.limit)
         data = record(model, prompts, args.max_new_tokens, args.max_depth, args.head, args.shortlist,
-                      Progress(), sampler=sampler, coupled=not args.uncoupled,
+                      progress_lines(len(prompts)), sampler=sampler, coupled=not args.uncoupled,
                       head_top_k=args.head_top_k)
     except UserError as exc:
         return usage_error(str(exc))
@@ -96,15 +95,10 @@ def usage_error(message: str) -> int:
     return 2
 
 
-class Progress:
-    """``traced i/n (m tokens), ETA`` on stderr after each prompt: the time left at the mean pace
-    so far."""
+def progress_lines(total: int):
+    """``traced i/n (m tokens)`` on stderr after each prompt, with the time left."""
+    pace = Pace(total)
 
-    def __init__(self, clock=time.monotonic):
-        self.clock, self.started = clock, clock()
-
-    def __call__(self, done: int, total: int, tokens: int) -> None:
-        spent = self.clock() - self.started
-        left = spent / done * (total - done)
-        eta = f", about {left:.0f} s left" if done < total else f", {spent:.0f} s in all"
-        print(f"traced {done}/{total} ({tokens} tokens){eta}", file=sys.stderr, flush=True)
+    def line(done: int, total: int, tokens: int) -> None:
+        print(f"traced {done}/{total} ({tokens} tokens){pace(done)}", file=sys.stderr, flush=True)
+    return line
