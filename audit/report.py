@@ -5,6 +5,7 @@ audit.json keys are a contract with the reports package; see ``build_document``.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -235,7 +236,14 @@ def write_document(out_path: Path | None, doc: dict, table: str) -> None:
         raise BadInput(f"the audit computed a value JSON cannot hold ({exc}); nothing was written") from None
     if out_path is None:
         click.echo(printable(table), err=True)
-        click.echo(text)
+        try:
+            if sys.stdout is None:
+                raise OSError("stdout is closed")
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except OSError as exc:
+            raise BadInput(f"cannot write the document to stdout ({exc.strerror or exc}); "
+                           "nothing was written") from None
         return
     try:
         write_json_atomic(out_path, doc)

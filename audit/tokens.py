@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -594,6 +595,8 @@ def out_destination(opts: TokensOptions) -> Path | None:
     """Where the document goes (None: stdout, for ``--out -``), refused before any work when it
     names a directory or one of the input files."""
     if opts.out is not None and str(opts.out) == "-":
+        if sys.stdout is None:
+            raise UserError("--out -: stdout is closed; the document would go nowhere")
         return None
     out = Path(opts.out) if opts.out else Path(opts.file).parent / DEFAULT_NAME
     if out.is_dir():

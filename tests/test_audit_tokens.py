@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from audit.cli import main as audit_main
 from audit.replay import PristineSerial, greedy_and_top
 from audit.tokens import TIE_ULPS, ulp
+from core.errors import UserError
 from core.models import load_model
 from reports.cli import main as reports_main
 from reports.render import render_run
@@ -369,3 +370,25 @@ def test_refused_under_torchrun(tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "g.jsonl", [{"prompt_token_ids": [1], "output_token_ids": [2]}])
     result, doc = audit_tokens(path, "tiny")
     assert result.exit_code == 2 and "without torchrun" in result.output and doc is None
+
+
+def test_a_document_for_a_closed_or_failing_stdout_is_an_error_not_a_silent_loss(monkeypatch):
+    """`--out -` with stdout closed (``>&-``) or full: one error, never exit 0 with the document lost."""
+    import io
+
+    from audit.report import write_document
+    from audit.stream import BadInput
+    from audit.tokens import TokensOptions, out_destination
+
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(UserError, match="stdout is closed"):
+        out_destination(TokensOptions(file="x.jsonl", model="tiny", out="-"))
+    with pytest.raises(BadInput, match="stdout is closed"):
+        write_document(None, {"a": 1}, "table")
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(BadInput, match="No space left on device"):
+        write_document(None, {"a": 1}, "table")
