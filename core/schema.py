@@ -220,7 +220,7 @@ def jsonl_values(path: Path, at: Callable[[int], str] | None = None, *, raw: byt
                     return
                 yield lineno, value
     except jsonlines.InvalidLineError as exc:
-        raise UserError(f"{at(exc.lineno)}: not valid JSON") from None
+        raise UserError(f"{at(exc.lineno)}: not valid JSON ({_reason(exc)})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
 
