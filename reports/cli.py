@@ -40,7 +40,9 @@ def render_cmd(run_dir: Path, debug: bool):
 
     Without RUN_DIR/audit.json, or with one made from a different stream (its stream_sha256 does
     not match), the report says NOT AUDITED at the top. Bad or incomplete input is one line
-    'error: ...' and exit status 2; nothing is written unless the whole report renders.
+    'error: ...' and exit status 2; nothing is written unless the whole report renders. Only
+    this command's own files are replaced: a report.md it did not write is refused, and
+    figures/ keeps every file but the figures it draws.
 
     A token audit (audit_tokens.json, from `audit tokens`) adds a section: per-generation
     exactness and a histogram of the divergence margins; a directory holding only
