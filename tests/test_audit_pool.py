@@ -226,3 +226,19 @@ def test_planned_walks_count_prompts_or_shared_walks():
     a = NS(prompts=[NS(token_ids=[1, 2]), NS(token_ids=[3])], max_new_tokens=8, sampler=None)
     b = NS(prompts=[NS(token_ids=[1, 2])], max_new_tokens=8, sampler=None)
     assert planned_walks([a]) == 2 and planned_walks([a, b]) == 3 and planned_walks([a, b], shared=True) == 2
+
+
+def test_progress_lines_in_a_log_say_the_time_left():
+    """Off a terminal the bar is off and counts nothing: the log lines count for themselves."""
+    from audit.progress import Progress
+
+    now, lines = [0.0], []
+    with Progress(100, "replay", lines.append, enabled=False, clock=lambda: now[0]) as bar:
+        now[0] = 10.0
+        bar.settle(estimated=50, walked=25, ticked=0)  # a walk that stopped early: 25 off the total
+        bar.log("replay [1/2] a")
+        now[0] = 20.0
+        bar.tick(50)
+        bar.settle(estimated=50, walked=50, ticked=50)
+        bar.log("replay [2/2] b")
+    assert lines == ["replay [1/2] a; about 20 s left", "replay [2/2] b; 20 s in all"]
