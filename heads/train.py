@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
+from core.clirun import Pace
 from core.errors import UserError
 from core.paths import plain_permissions
 from core.prompts import Prompt
@@ -105,13 +106,14 @@ def generate(model, prompts: list, max_new_tokens: int, label: str = "", dec=Non
         dec = FastSerialDecoder()
         dec.prepare(model)
     streams, tokens = [], 0
-    t0 = time.perf_counter()
+    t0, pace = time.perf_counter(), Pace(len(prompts))
     with progress(len(prompts), f"generate {label.strip() or 'prompts'}", "prompt") as bar:
         for i, p in enumerate(prompts):
             streams.append(list(dec.decode(p.token_ids, max_new_tokens).tokens))
             tokens += len(streams[-1])
             bar.update(1)
-            log(f"generated {label}{i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+            log(f"generated {label}{i + 1}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)"
+                f"{pace(i + 1)}")
     seconds = time.perf_counter() - t0
     return streams, _cost(len(prompts), tokens, seconds, max_new_tokens, FastSerialDecoder.name)
 
@@ -160,7 +162,7 @@ def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32,
     eos = set(model.eos_token_ids)
     by_id, n_done, tokens = {}, 0, 0
     groups = equal_length_batches(prompts, batch)
-    t0 = time.perf_counter()
+    t0, pace = time.perf_counter(), Pace(len(prompts))
     with progress(len(prompts), f"generate {label.strip() or 'prompts'} (batched)", "prompt") as bar:
         for group in groups:
             toks = _generate_group(lm, group, dev, eos, max_new_tokens)
@@ -169,7 +171,8 @@ def generate_batched(model, prompts: list, max_new_tokens: int, batch: int = 32,
                 tokens += len(s)
             n_done += len(group)
             bar.update(len(group))
-            log(f"generated {label}{n_done}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+            log(f"generated {label}{n_done}/{len(prompts)} ({tokens} tokens, {time.perf_counter() - t0:.1f} s)"
+                f"{pace(n_done)}")
     seconds = time.perf_counter() - t0
     used = [by_id[p.id][0] for p in prompts]
     streams = [by_id[p.id][1] for p in prompts]
@@ -427,7 +430,7 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
     best, best_state = None, None
     best_dev, bad_evals, stopped_early = before["dev_loss"], 0, False
     train_losses = []
-    t0 = time.perf_counter()
+    t0, pace = time.perf_counter(), Pace(cfg.steps)  # an early stop comes sooner than the time left says
     step = 0
     with _training_determinism(model.device), progress(cfg.steps, "train head", "step") as bar:
         for step in range(1, cfg.steps + 1):
@@ -450,7 +453,7 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
                 history.append(rec)
                 mal = rec["heldout"]["mean_accepted_length"]
                 log(f"step {step}: train loss {rec['train_loss']:.4f}, dev loss {rec['dev_loss']}, "
-                    f"held-out mean accepted length {mal}")
+                    f"held-out mean accepted length {mal}{pace(step)}")
                 if best is None or _mal(rec["heldout"]) > _mal(best["heldout"]):
                     best, best_state = rec, head_state(head, dtype)
                 if rec["dev_loss"] is None:
