@@ -15,7 +15,7 @@ from decoders.trace import __doc__ as FORMAT_DOC
 
 def main(argv=None) -> int:
     ap = OneLineArgumentParser(prog="python -m decoders.trace", description=FORMAT_DOC.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompts", default=None, help="prompt set (default: the model's default set)")
     ap.add_argument("--limit", type=int, default=None, help="keep the first K prompts")
