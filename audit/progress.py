@@ -16,6 +16,7 @@ import time
 
 from tqdm import tqdm
 
+from core.clirun import Pace
 from audit.report import printable
 
 
@@ -28,7 +29,7 @@ class Progress:
         self.bar = tqdm(total=total, desc=desc, unit="tok", file=file or sys.stderr, dynamic_ncols=True,
                         disable=None if enabled is None else not enabled, leave=False)
         # counted here too: a disabled bar (no terminal) counts nothing, and its lines say the time left
-        self.done, self.total, self.clock, self.started = 0, total, clock, clock()
+        self.done, self.pace = 0, Pace(total, clock)
 
     def tick(self, n: int = 1) -> None:
         self.done += n
@@ -41,15 +42,12 @@ class Progress:
             self.done += walked - ticked
             self.bar.update(walked - ticked)
         if estimated != walked:
-            self.total = max(self.done, self.total - estimated + walked)
+            self.pace.total = max(self.done, self.pace.total - estimated + walked)
             self.bar.total = max(self.bar.n, self.bar.total - estimated + walked)
             self.bar.refresh()
 
     def time_left(self) -> str:
-        spent = self.clock() - self.started
-        if self.done >= self.total:
-            return f"; {spent:.0f} s in all"
-        return f"; about {spent / max(self.done, 1) * (self.total - self.done):.0f} s left" if self.done else ""
+        return "; " + self.pace.phrase(self.done) if self.done or self.done >= self.pace.total else ""
 
     def log(self, message: str) -> None:
         if self.bar.disable:

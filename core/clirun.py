@@ -112,7 +112,11 @@ class Pace:
         self.total, self.clock, self.started = total, clock, clock()
 
     def __call__(self, done: int) -> str:
+        return ", " + self.phrase(done)
+
+    def phrase(self, done: int) -> str:
+        """"about N s left", or "N s in all" once ``done`` reaches the total."""
         spent = self.clock() - self.started
         if done >= self.total:
-            return f", {spent:.0f} s in all"
-        return f", about {spent / max(done, 1) * (self.total - done):.0f} s left"
+            return f"{spent:.0f} s in all"
+        return f"about {spent / max(done, 1) * (self.total - done):.0f} s left"
