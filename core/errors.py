@@ -1,4 +1,5 @@
 """Errors that are the user's to fix: the CLIs print them as one line and exit non-zero."""
+import signal
 import sys
 from typing import Callable, NoReturn
 
@@ -34,9 +35,16 @@ def fail(message, code: int = 2, quiet: bool = False):
 def run_cli(main: Callable[[], object]) -> NoReturn:
     """A ``python -m`` entry: exits with ``main()``'s status (an int it returns; 0 for anything
     else). A Ctrl-C that the command does not answer itself, the imports ``main`` does first
-    included, is one ``error: interrupted`` line and exit 130, never a traceback."""
+    included, is one ``error: interrupted`` line and exit 130, never a traceback. Once ``main``
+    has returned, a Ctrl-C while the interpreter shuts down is ignored."""
     try:
         status = main()
     except KeyboardInterrupt:
         fail("interrupted", EXIT_INTERRUPTED)
+    # the command has done its work and said so: a Ctrl-C in the shutdown (torch's teardown can
+    # take a second) would only turn that into a traceback or a bare exit 130. SIGTERM still ends it.
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to protect
+        pass
     sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)

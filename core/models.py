@@ -73,8 +73,7 @@ class LoadedModel:
 
     def check_fits(self, positions: int, what: str) -> None:
         """UserError unless ``positions`` (``what``: how they were asked for) fit the context."""
-        if self.context is not None and positions > self.context:
-            raise UserError(f"{what} = {positions} positions, beyond model {self.name}'s context of {self.context}")
+        check_fits(self.name, self.context, positions, what)
 
     def require_mtp(self, who: str) -> MTPHead:
         if self.mtp is None:
@@ -213,15 +212,37 @@ def split_weights(tensors: dict[str, torch.Tensor], layout: str):
     return backbone, mtp
 
 
-def load_checkpoint(path: Path, device: str) -> LoadedModel:
+def checkpoint_text_config(path: Path) -> tuple[Qwen3_5TextConfig, str]:
+    """The checkpoint's text config as transformers builds it, and its layout; no weights read."""
     text_cfg_dict, layout = read_checkpoint_config(path)
-    files = checkpoint_files(path)
     try:
-        text_cfg_dict = {k: v for k, v in text_cfg_dict.items() if k not in ("architectures",)}
-        text_cfg_dict["model_type"] = "qwen3_5_text"
-        config = Qwen3_5TextConfig(**{k: v for k, v in text_cfg_dict.items() if k != "model_type"})
+        config = Qwen3_5TextConfig(**{k: v for k, v in text_cfg_dict.items() if k not in ("architectures", "model_type")})
     except Exception as exc:
         raise UserError(f"{path}: invalid Qwen3.5 text config ({exc})") from None
+    return config, layout
+
+
+def model_context(spec: str) -> int | None:
+    """The context of the model ``load_model(spec)`` would load (``LoadedModel.context``), read from
+    its config alone, so that a length beyond it is refused before any weights load. None where
+    it cannot be known before the load (the load then says why)."""
+    if spec == "synthetic-9b":
+        return Qwen3_5TextConfig().max_position_embeddings
+    path = COMMITTED.get(spec, Path(spec))
+    if not path.is_dir():
+        return None
+    return getattr(checkpoint_text_config(path)[0], "max_position_embeddings", None)
+
+
+def check_fits(name: str, context: int | None, positions: int, what: str) -> None:
+    """UserError unless ``positions`` (``what``: how they were asked for) fit ``context``."""
+    if context is not None and positions > context:
+        raise UserError(f"{what} = {positions} positions, beyond model {name}'s context of {context}")
+
+
+def load_checkpoint(path: Path, device: str) -> LoadedModel:
+    config, layout = checkpoint_text_config(path)
+    files = checkpoint_files(path)
     tensors = read_tensors(files, device)
     backbone_sd, mtp_sd = split_weights(tensors, layout)
     del tensors

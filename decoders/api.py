@@ -74,7 +74,7 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
     ``Sampler.parse``, e.g. ``"qwen-thinking,seed=7"``); None: greedy.
     Any bad input raises ``core.errors.UserError`` with one clear message."""
     from core import determinism  # imports torch: pinned before anything touches CUDA
-    from core.models import load_model
+    from core.models import check_fits, load_model, model_context
     from decoders import get_decoder
 
     determinism.pin()
@@ -85,6 +85,8 @@ def open_decoder(model: str = "small", name: str = "spec", *, device: str | None
     sampler = as_sampler(sampler)
     decoder = get_decoder(name, **decoder_args)  # before the load: a bad name costs no model load
     check_sampling(decoder, sampler)
+    if max_positions is not None:  # from the config alone: a length beyond the context costs no load
+        check_fits(model, model_context(model), max_positions, f"max_positions {max_positions}")
     loaded = load_model(model, device)
     try:
         decoder.prepare(loaded)

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from core.errors import UserError
-from core.models import TINY_DIR
+from core.models import TINY_DIR, model_context
 from core.sampling import Sampler
 from decoders.api import Cancelled, ExactDecoder, Generation, GenerationStats, open_decoder
 from decoders.base import DecodeResult, DecodeStats
@@ -250,6 +250,27 @@ def test_chat_encoding_uses_chatml_without_a_template(opened):
 def test_bad_open_is_a_user_error(kwargs, match):
     with pytest.raises(UserError, match=match):
         open_decoder(**kwargs)
+
+
+@pytest.mark.parametrize("model,name", [("tiny", "tiny"), (str(TINY_DIR), str(TINY_DIR)), ("small", "small"),
+                                        ("synthetic-9b", "synthetic-9b")])
+def test_a_length_beyond_the_context_costs_no_load(monkeypatch, model, name):
+    """max_positions beyond the model's context is refused from its config, before any weights
+    load (synthetic-9b's too, which a CPU could not build), as the loaded model would refuse it."""
+    import core.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(core.models, "load_model", no_load)
+    context = model_context(model)
+    assert context is not None and context >= 4096
+    with pytest.raises(UserError, match=f"= {context + 1} positions, beyond model {name}'s context of {context}"):
+        open_decoder(model, "fast-serial", device="cpu", max_positions=context + 1)
+
+
+def test_model_context_is_the_loaded_models(opened, tmp_path):
+    assert model_context("tiny") == opened("tiny", "fast-serial").model.context
+    assert model_context(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("prompt,n,match", [

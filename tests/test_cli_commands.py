@@ -103,3 +103,14 @@ def test_a_ctrl_c_while_a_command_imports_its_code_is_one_line(argv, tmp_path):
     assert proc.returncode == 130, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("error: interrupted"), proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_ctrl_c_after_the_command_is_done_changes_nothing():
+    """A Ctrl-C in the shutdown after a command has written and said so (here: from an exit
+    handler) neither prints a traceback nor turns its status into 130."""
+    code = ("import atexit, os, signal\nfrom core.errors import run_cli\n"
+            "def main():\n    print('wrote x', flush=True)\n"
+            "    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), print('shut down', flush=True)))\n"
+            "    return 3\nrun_cli(main)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "wrote x\nshut down\n", "")

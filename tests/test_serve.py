@@ -169,6 +169,22 @@ def test_the_default_context_is_the_models_capped_and_a_given_one_is_kept():
     assert ServeOptions(max_context=100).context_for(4096) == 100
 
 
+def test_a_max_context_beyond_the_models_is_refused_before_the_load(monkeypatch):
+    """``--max-context`` past the model's context is one error before the socket is bound or any
+    weights load."""
+    import core.models
+    from core.errors import UserError
+    from harness.serve.options import ServeOptions
+    from harness.serve.run import run_serve
+
+    def never(*args, **kwargs):
+        raise AssertionError("called before the context was checked")
+    monkeypatch.setattr(core.models, "load_model", never)
+    monkeypatch.setattr("harness.serve.run.listen", never)
+    with pytest.raises(UserError, match="--max-context = 100000000 positions, beyond model tiny's context of 4096"):
+        run_serve(ServeOptions(model="tiny", device="cpu", port=0, max_context=100_000_000))
+
+
 SAMPLER = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 7}
 
 

@@ -10,6 +10,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from core.errors import UserError
+from core.models import check_fits, model_context
 from core.records import check_record_path
 from decoders import parse_decoder_args
 from decoders.api import open_decoder
@@ -25,6 +26,8 @@ def run_serve(opts: ServeOptions) -> None:
     args = parse_decoder_args(opts.decoder_args)
     if opts.record is not None:
         check_record_path(opts.record)  # before the load: a typo costs no model load
+    if opts.max_context is not None:  # so does a context the model does not have
+        check_fits(opts.model, model_context(opts.model), opts.max_context, "--max-context")
     sock = listen(opts.host, opts.port)  # a busy port or a bad address costs no model load either
     try:
         import transformers
