@@ -412,8 +412,6 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
     head = copy.deepcopy(model.mtp).float().train()
     eval_head = copy.deepcopy(model.mtp).eval()
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     def held(step: int) -> dict:
         eval_head.load_state_dict(head_state(head, dtype))
@@ -426,48 +424,9 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
     before = held(0)
     log(f"step 0: held-out mean accepted length {before['heldout']['mean_accepted_length']}, "
         f"dev loss {before['dev_loss']}")
-    history = [before]
-    best, best_state = None, None
-    best_dev, bad_evals, stopped_early = before["dev_loss"], 0, False
-    train_losses = []
-    t0, pace = time.perf_counter(), Pace(cfg.steps)  # an early stop comes sooner than the time left says
-    step = 0
-    with _training_determinism(model.device), progress(cfg.steps, "train head", "step") as bar:
-        for step in range(1, cfg.steps + 1):
-            bar.update(1)
-            idx = torch.randint(len(data["train"]), (cfg.batch,), generator=gen).tolist()
-            opt.zero_grad(set_to_none=True)
-            tot = 0.0
-            losses = [example_loss(head, shared, data["train"][i]) for i in idx]
-            n = sum(k for _, k in losses)
-            if n:
-                loss = sum(l for l, _ in losses) / n
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-                opt.step()
-                tot = loss.item()
-            train_losses.append(tot)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                rec = held(step)
-                rec["train_loss"] = sum(train_losses[-cfg.eval_every:]) / len(train_losses[-cfg.eval_every:])
-                history.append(rec)
-                mal = rec["heldout"]["mean_accepted_length"]
-                log(f"step {step}: train loss {rec['train_loss']:.4f}, dev loss {rec['dev_loss']}, "
-                    f"held-out mean accepted length {mal}{pace(step)}")
-                if best is None or _mal(rec["heldout"]) > _mal(best["heldout"]):
-                    best, best_state = rec, head_state(head, dtype)
-                if rec["dev_loss"] is None:
-                    pass  # no dev rows (every dev stream ended at once): no early stopping
-                elif best_dev is None or rec["dev_loss"] < best_dev:
-                    best_dev, bad_evals = rec["dev_loss"], 0
-                else:
-                    bad_evals += 1
-                    if bad_evals >= cfg.patience:
-                        stopped_early = True
-                        log(f"early stop at step {step}: dev loss did not improve for {cfg.patience} evaluations")
-                        break
-    train_s = time.perf_counter() - t0
-    improved = best is not None and _mal(best["heldout"]) > _mal(before["heldout"])
+    with _training_determinism(model.device):
+        run = fit(head, shared, data["train"], held, before, cfg, dtype)
+    improved = run.best is not None and _mal(run.best["heldout"]) > _mal(before["heldout"])
     report = {
         "model": model.identity,
         "depth": cfg.depth,
@@ -476,23 +435,86 @@ def train_head(model, prompts: list, cfg: HeadTrainConfig) -> dict:
                        "max_heldout": cfg.max_heldout, "max_dev": cfg.max_dev},
         "generation": gen_cost,
         "hidden_states_seconds": hidden_s,
-        "training": {"steps_requested": cfg.steps, "steps_run": step, "lr": cfg.lr, "batch": cfg.batch,
+        "training": {"steps_requested": cfg.steps, "steps_run": run.steps, "lr": cfg.lr, "batch": cfg.batch,
                      "eval_every": cfg.eval_every, "patience": cfg.patience, "seed": cfg.seed,
-                     "stopped_early": stopped_early, "seconds": train_s,
+                     "stopped_early": run.stopped_early, "seconds": run.seconds,
                      "train_rows": sum(max(ex["ids"].shape[1] - max(ex["P"] - 1, 0) - 2, 0) for ex in data["train"]),
                      "early_stopping": "dev loss (head CE on dev streams), patience in evaluations",
                      "selection": "max held-out mean accepted length at fixed depth"},
         "before": before,
-        "after": best,
-        "selected_step": best["step"] if best else None,
+        "after": run.best,
+        "selected_step": run.best["step"] if run.best else None,
         "improved": improved,
-        "history": history,
+        "history": run.history,
         "shortlist": {k: v for k, v in shortlist.items() if k != "ids"},
     }
-    return {"report": report, "state": best_state, "improved": improved, "shortlist": shortlist}
+    return {"report": report, "state": run.best_state, "improved": improved, "shortlist": shortlist}
 
 
-# --------------------------------------------------------------------------- save / load
+@dataclass
+class Fit:
+    """What ``fit`` did: every evaluation (``before`` first), the best one by held-out mean
+    accepted length and its head's state in the model's dtype (None: no step evaluated), the steps
+    run, whether dev loss stopped it early, and its seconds."""
+    history: list[dict]
+    best: dict | None = None
+    best_state: dict | None = None
+    steps: int = 0
+    stopped_early: bool = False
+    seconds: float = 0.0
+
+
+def fit(head, shared: FrozenShared, train: list[dict], held, before: dict, cfg: HeadTrainConfig, dtype) -> Fit:
+    """``cfg.steps`` AdamW steps on batches drawn (seeded) from ``train``, with ``held(step)``'s
+    evaluation every ``cfg.eval_every`` steps and at the last; stops once dev loss has not improved
+    for ``cfg.patience`` evaluations."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    run = Fit(history=[before])
+    best_dev, bad_evals, train_losses = before["dev_loss"], 0, []
+    t0, pace = time.perf_counter(), Pace(cfg.steps)  # an early stop comes sooner than the time left says
+    with progress(cfg.steps, "train head", "step") as bar:
+        for step in range(1, cfg.steps + 1):
+            bar.update(1)
+            run.steps = step
+            train_losses.append(train_step(head, shared, train, opt, gen, cfg.batch))
+            if step % cfg.eval_every != 0 and step != cfg.steps:
+                continue
+            rec = held(step)
+            rec["train_loss"] = sum(train_losses[-cfg.eval_every:]) / len(train_losses[-cfg.eval_every:])
+            run.history.append(rec)
+            log(f"step {step}: train loss {rec['train_loss']:.4f}, dev loss {rec['dev_loss']}, "
+                f"held-out mean accepted length {rec['heldout']['mean_accepted_length']}{pace(step)}")
+            if run.best is None or _mal(rec["heldout"]) > _mal(run.best["heldout"]):
+                run.best, run.best_state = rec, head_state(head, dtype)
+            if rec["dev_loss"] is None:
+                continue  # no dev rows (every dev stream ended at once): no early stopping
+            if best_dev is None or rec["dev_loss"] < best_dev:
+                best_dev, bad_evals = rec["dev_loss"], 0
+                continue
+            bad_evals += 1
+            if bad_evals >= cfg.patience:
+                run.stopped_early = True
+                log(f"early stop at step {step}: dev loss did not improve for {cfg.patience} evaluations")
+                break
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def train_step(head, shared: FrozenShared, train: list[dict], opt, gen: torch.Generator, batch: int) -> float:
+    """One optimiser step on ``batch`` examples drawn from ``train``; its mean loss per row (0.0
+    where the batch has no rows, and no step is taken)."""
+    idx = torch.randint(len(train), (batch,), generator=gen).tolist()
+    opt.zero_grad(set_to_none=True)
+    losses = [example_loss(head, shared, train[i]) for i in idx]
+    n = sum(k for _, k in losses)
+    if not n:
+        return 0.0
+    loss = sum(l for l, _ in losses) / n
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return loss.item()
 
 
 def save_head(out: Path, state: dict, shortlist: dict, report: dict) -> None:

@@ -350,3 +350,33 @@ def test_bad_prompt_set_specs_are_user_errors(tiny, spec, needle, tmp_path, caps
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_fit_keeps_the_best_evaluation_and_stops_once_dev_loss_stalls(monkeypatch):
+    """Selection by held-out mean accepted length, early stopping by dev loss alone: dev loss
+    improves at step 2, then fails to at steps 4 and 6 (patience 2), so step 6 is the last step
+    run, while the best held-out figure (step 4's) is the one kept."""
+    monkeypatch.setattr(T, "train_step", lambda *args: 0.5)
+    evals = {2: (0.8, 2.0), 4: (0.9, 3.0), 6: (0.85, 2.5), 8: (0.1, 9.0)}
+    head = torch.nn.Linear(2, 2)
+
+    def held(step):
+        dev_loss, mal = evals[step]
+        head.weight.data.fill_(step)  # the state kept must be the best step's
+        return {"step": step, "dev_loss": dev_loss, "heldout": {"mean_accepted_length": mal}}
+
+    before = {"step": 0, "dev_loss": 1.0, "heldout": {"mean_accepted_length": 1.0}}
+    run = T.fit(head, None, [], held, before, T.HeadTrainConfig(steps=8, eval_every=2, patience=2), torch.float32)
+    assert (run.steps, run.stopped_early) == (6, True)
+    assert [r["step"] for r in run.history] == [0, 2, 4, 6]
+    assert run.best["step"] == 4 and run.best_state["weight"].eq(4).all()
+    assert all(r["train_loss"] == 0.5 for r in run.history[1:])
+
+
+def test_fit_without_dev_rows_never_stops_early(monkeypatch):
+    monkeypatch.setattr(T, "train_step", lambda *args: 0.0)
+    run = T.fit(torch.nn.Linear(2, 2), None, [], lambda step: {"step": step, "dev_loss": None,
+                                                               "heldout": {"mean_accepted_length": None}},
+                {"step": 0, "dev_loss": None, "heldout": {"mean_accepted_length": None}},
+                T.HeadTrainConfig(steps=5, eval_every=1, patience=1), torch.float32)
+    assert (run.steps, run.stopped_early, len(run.history)) == (5, False, 6)
