@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import click
 from click.exceptions import NoArgsIsHelpError
@@ -93,6 +94,19 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+class PathArg(click.Path):
+    """A ``click.Path`` giving a ``pathlib.Path`` that refuses an empty value: ``Path("")`` is the
+    current directory, so ``--out ""`` would quietly write there."""
+
+    def __init__(self, **kwargs):
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path names no file", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -24,6 +24,9 @@ def check_record_path(path, last_line: bool = True) -> Path:
     file system): an existing file is opened for appending, a missing one's directory takes a
     probe file, and nothing is left behind. ``last_line``: also refuse an existing file whose last
     line is unfinished or not a record (``last_line_problem``)."""
+    if str(path) == "-":  # elsewhere "-" is stdout; here it would quietly make a file named "-"
+        raise UserError("record file '-': records are appended to a file, not to stdout (for a file named -, "
+                        "give ./-)")
     path = Path(path)
     try:
         st = os.stat(path)

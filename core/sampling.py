@@ -102,25 +102,37 @@ class Sampler:
     @classmethod
     def parse(cls, text: str) -> "Sampler":
         """``greedy``, a preset (``qwen-thinking``), ``key=value,...``, or a preset followed by
-        overrides: ``qwen-thinking,seed=7``. Keys: temperature (or t), top_k, top_p, min_p, seed."""
+        overrides: ``qwen-thinking,seed=7``. Keys: temperature (or t), top_k, top_p, min_p, seed,
+        each at most once. A seed or filter that greedy decoding would ignore is refused."""
         fields: dict = {}
+        given: list[str] = []
         for i, part in enumerate(p.strip() for p in str(text).split(",")):
             if not part:
                 raise SamplerError(f"empty item in sampler {text!r}")
             if "=" not in part:
-                if i or part not in (*PRESETS, "greedy"):
+                if part not in (*PRESETS, "greedy"):
                     raise SamplerError(f"unknown sampler preset {part!r} (presets: greedy, {', '.join(PRESETS)})")
+                if i:
+                    raise SamplerError(f"preset {part!r} must come first, before any key=value item")
                 fields.update(PRESETS.get(part, {}))
                 continue
             key, value = (s.strip() for s in part.split("=", 1))
             key = {"t": "temperature", "temp": "temperature"}.get(key, key)
             if key not in cls.__dataclass_fields__:
                 raise SamplerError(f"unknown sampler key {key!r} (keys: temperature, top_k, top_p, min_p, seed)")
+            if key in given:
+                raise SamplerError(f"sampler key {key!r} given twice")
+            given.append(key)
+            integer = key in ("top_k", "seed")
             try:
-                fields[key] = int(value) if key in ("top_k", "seed") else float(value)
+                fields[key] = int(value) if integer else float(value)
             except ValueError:
-                raise SamplerError(f"sampler {key}={value!r} is not a number") from None
-        return cls(**fields).require_effective()
+                raise SamplerError(f"sampler {key}={value!r} is not {'an integer' if integer else 'a number'}") from None
+        sampler = cls(**fields).require_effective()
+        if sampler.greedy and "seed" in given:
+            raise SamplerError(f"seed={sampler.seed} has no effect at temperature 0 (greedy): give a temperature "
+                               "above 0 to sample")
+        return sampler
 
     def require_effective(self) -> "Sampler":
         """Itself, unless a filter is set at temperature 0, where greedy decoding would ignore it

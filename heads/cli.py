@@ -12,11 +12,10 @@ an ETA on a terminal); the before/after summary to stdout.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat, run_command
+from core.clirun import FiniteFloat, PathArg, run_command
 from core.version import version_option
 from heads.run import TrainRequest, run_train
 
@@ -37,7 +36,7 @@ def heads():
 @click.option("--prompts", required=True, metavar="PROMPTS",
               help="Prompt set: a jsonl file, or a built-in set (stdlib-train for small, or stdlib-train:N for N "
                    "snippets, e.g. stdlib-train:2048; random-512-offline for synthetic-9b; dev).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), metavar="DIR",
+@click.option("--out", required=True, type=PathArg(), metavar="DIR",
               help="Head directory to write (mtp.safetensors, draft_shortlist.json, report.json). Refused if it "
                    "already holds a head or is the model's own directory.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=2), default=128, show_default=True,

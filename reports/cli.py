@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import OneLineUsageGroup
+from core.clirun import OneLineUsageGroup, PathArg
 from core.errors import UserError, fail
 from core.version import version_option
 
@@ -26,7 +26,7 @@ def main():
 
 @main.command("render", short_help="Write report.md and figures for a run directory.")
 @version_option
-@click.argument("run_dir", type=click.Path(path_type=Path), metavar="RUN_DIR")
+@click.argument("run_dir", type=PathArg(), metavar="RUN_DIR")
 @click.option("--debug", is_flag=True, help="On an unexpected failure show the traceback, not one line.")
 def render_cmd(run_dir: Path, debug: bool):
     """Write RUN_DIR/report.md and RUN_DIR/figures/*.png from RUN_DIR/stream.jsonl (and audit.json).

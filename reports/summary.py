@@ -247,9 +247,11 @@ def banners(s: dict) -> list[dict]:
     out, audit = [], s["audit"]
     stream = s["stream"]["path"]
     if audit["status"] == "not audited":
+        sampler = s["sampler"]
+        control = "serial greedy decoding" if sampler["greedy"] else f"serial sampling under `{sampler['text']}`"
         out.append({"kind": "not-audited", "title": "NOT AUDITED",
                     "text": "There is no audit.json in this run directory: the tokens have not been checked "
-                            "against serial greedy decoding and there is no score. Nothing below is verified. "
+                            f"against {control} and there is no score. Nothing below is verified. "
                             f"Check it with `audit replay {shlex.quote(str(stream))}`."})
     elif audit["status"] == "mismatch":
         out.append({"kind": "audit-mismatch", "title": "AUDIT DOES NOT MATCH THIS STREAM",

@@ -75,6 +75,8 @@ def test_the_time_path_loads_its_modules_before_the_watch_begins():
     ("harness", ["generate", "x", "-n", "0"], "'--max-new-tokens' / '-n': 0 is not in the range x>=1"),
     ("harness", ["serve", "--queue-size", "0"], "'--queue-size': 0 is not in the range x>=1"),
     ("harness", ["time", "--bogus"], "No such option '--bogus'"),
+    ("harness", ["time", "--out", ""], "Invalid value for '--out': an empty path names no file"),
+    ("audit", ["tokens", "x.jsonl", "--out", " "], "Invalid value for '--out': an empty path names no file"),
     ("audit", ["replay"], "Missing argument"),
     ("reports", ["render"], "Missing argument 'RUN_DIR'"),
 ])

@@ -119,6 +119,11 @@ def test_replacing_a_stream_notes_the_audit_of_the_one_before(tmp_path):
     os.utime(out / "audit.json", (1, 1))  # older than any stream written now
     result, _ = time_cmd(tmp_path, "--force")
     assert result.exit_code == 0 and "note: audit.json in" in result.output and "audit the new one again" in result.output
+    (out / "report.md").write_text("# an old report\n")
+    for name in ("audit.json", "report.md"):
+        os.utime(out / name, (1, 1))
+    result, _ = time_cmd(tmp_path, "--force")
+    assert result.exit_code == 0 and "note: audit.json and report.md in" in result.output
 
 
 def test_a_dangling_link_or_a_fifo_as_the_stream_is_refused_before_the_model_loads(tmp_path):

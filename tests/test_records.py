@@ -129,3 +129,12 @@ def test_a_file_whose_last_line_is_unfinished_or_not_a_record_is_refused(tmp_pat
     append_record(good, {"id": "a"})
     append_record(good, {"id": "b"})
     assert check_record_path(good) == good
+
+
+def test_a_dash_is_not_taken_for_a_file(tmp_path, monkeypatch):
+    """``-`` means stdout to other options; as a record path it is refused, and ``./-`` is a file."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="not to stdout"):
+        check_record_path("-")
+    assert list(tmp_path.iterdir()) == []
+    assert check_record_path("./-").name == "-"

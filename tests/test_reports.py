@@ -804,6 +804,8 @@ def test_sampled_run_reports_its_sampler_and_acceptance_under_it(tmp_path):
                                             "--sampling", "temperature=0.6,top_k=20,top_p=0.95,seed=3",
                                             "--out", str(out)])
     assert res.exit_code == 0, res.output
+    (banner,) = render_run(out)["banners"]  # before the audit: what is not yet checked is serial sampling
+    assert "not been checked against serial sampling under `temperature=0.6,top_k=20,top_p=0.95,seed=3`" in banner["text"]
     res = CliRunner().invoke(audit_main, ["replay", str(out / "stream.jsonl")])
     assert res.exit_code == 0, res.output
     summary = render_run(out)

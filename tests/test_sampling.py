@@ -220,4 +220,22 @@ def test_bad_json_is_a_sampler_error(doc):
 def test_a_filter_at_temperature_0_is_refused_not_ignored(text):
     with pytest.raises(SamplerError, match="has no effect at temperature 0"):
         Sampler.parse(text)
-    assert Sampler.parse("greedy,seed=3").greedy  # a seed alone is harmless
+
+
+@pytest.mark.parametrize("text", ["seed=7", "greedy,seed=3", "temperature=0,seed=2"])
+def test_a_seed_at_temperature_0_is_refused_not_ignored(text):
+    """A seed with no temperature draws nothing: as with a filter, the user meant to sample."""
+    with pytest.raises(SamplerError, match=r"seed=\d has no effect at temperature 0"):
+        Sampler.parse(text)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("seed=7,seed=8", "sampler key 'seed' given twice"),
+    ("temperature=0.6,t=0", "sampler key 'temperature' given twice"),
+    ("qwen-thinking,qwen-instruct", "preset 'qwen-instruct' must come first"),
+    ("top_k=1.5", "top_k='1.5' is not an integer"),
+    ("temperature=warm", "temperature='warm' is not a number"),
+])
+def test_a_description_error_says_what_is_wrong(text, match):
+    with pytest.raises(SamplerError, match=match):
+        Sampler.parse(text)

@@ -1,11 +1,10 @@
 """``audit retime``: parse the options, retime the stream's candidate (``audit.retime``)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat
+from core.clirun import FiniteFloat, PathArg
 from core.version import version_option
 
 from audit.commands.common import run_command
@@ -13,13 +12,13 @@ from audit.commands.common import run_command
 
 @click.command("retime")
 @version_option
-@click.argument("stream", metavar="STREAM", type=click.Path(path_type=Path))
-@click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="RETIME_JSON",
+@click.argument("stream", metavar="STREAM", type=PathArg())
+@click.option("--out", "out_path", default=None, type=PathArg(), metavar="RETIME_JSON",
               help="Where to write the result. Default: retime.json beside STREAM.")
 @click.option("--prompts", "prompt_count", type=int, default=9, show_default=True, metavar="K",
               help="Fresh prompts to time, each as long as one of the stream's (in turn); at least 6, the fewest "
                    "whose median has a 95% interval (9 and more give one inside the extremes).")
-@click.option("--fresh", "fresh_file", default=None, type=click.Path(path_type=Path), metavar="FILE",
+@click.option("--fresh", "fresh_file", default=None, type=PathArg(), metavar="FILE",
               help="Fresh prompts of your own (jsonl of {id, text | token_ids}, a regular file), used in file "
                    "order, each cut to the length of the stream prompt it stands in for; read before any worker "
                    "starts and hidden from the candidate's sandbox (at its real path; a copy or hard link "

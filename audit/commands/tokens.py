@@ -1,11 +1,10 @@
 """``audit tokens``: parse the options, check a file of generations (``audit.tokens``)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat
+from core.clirun import FiniteFloat, PathArg
 from core.version import version_option
 
 from audit.commands.common import check_device_option, parse_sampling, run_command
@@ -13,19 +12,19 @@ from audit.commands.common import check_device_option, parse_sampling, run_comma
 
 @click.command("tokens")
 @version_option
-@click.argument("file", metavar="FILE", type=click.Path(path_type=Path))
+@click.argument("file", metavar="FILE", type=PathArg())
 @click.option("--model", "model_spec", required=True, metavar="MODEL",
               help="The model that generated FILE (built-in name or checkpoint dir).")
 @click.option("--device", default=None,
               help="Device for the pristine path: cpu, cuda or cuda:N (where present). Default: cuda if available, "
                    "else cpu.")
-@click.option("--out", "out_path", default=None, type=click.Path(path_type=Path), metavar="JSON",
+@click.option("--out", "out_path", default=None, type=PathArg(), metavar="JSON",
               help="Where to write the document; '-' writes it to stdout (the table then goes to stderr). "
                    "Default: audit_tokens.json beside FILE.")
 @click.option("--tie-margin", type=FiniteFloat(min=0), default=None, metavar="X",
               help="A divergence whose greedy logit exceeds the emitted token's by at most X is a near-tie. "
                    "Default: 4 ulps of the logits' dtype (bf16) at the top-1 logit.")
-@click.option("--reference", type=click.Path(path_type=Path), default=None, metavar="OTHER.jsonl",
+@click.option("--reference", type=PathArg(), default=None, metavar="OTHER.jsonl",
               help="The same requests from the engine without speculation: report where each output first "
                    "parts from its counterpart (matched by id, else by line) and what greedy says there. Every "
                    "generation of FILE needs a counterpart (else exit 2).")

@@ -1,12 +1,12 @@
 """``harness generate``: parse the options, decode one prompt with an exact decoder."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
 from core.errors import fail
 from core.version import version_option
+from core.clirun import PathArg
 from harness.commands.common import run_cli
 from harness.generate import GenerateOptions, StdoutLost, run_generate  # torch loads only when it runs
 from harness.options import SAMPLING_HELP, parse_sampling
@@ -15,9 +15,9 @@ from harness.options import SAMPLING_HELP, parse_sampling
 @click.command("generate")
 @version_option
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+@click.option("--prompt-file", type=PathArg(), default=None, metavar="FILE",
               help="Read the prompt text from FILE (UTF-8) instead of the PROMPT argument.")
-@click.option("--prompt-ids", type=click.Path(path_type=Path), default=None, metavar="FILE",
+@click.option("--prompt-ids", type=PathArg(), default=None, metavar="FILE",
               help="Read the prompt as token ids, a JSON list in FILE (for models without a tokenizer, "
                    "such as synthetic-9b), instead of text.")
 @click.option("--chat", is_flag=True,
@@ -35,7 +35,7 @@ from harness.options import SAMPLING_HELP, parse_sampling
 @click.option("--json", "json_out", is_flag=True,
               help="Print one JSON object on stdout (prompt_ids, token_ids, text, finish_reason, stats, "
                    "decoder, model, sampler) instead of streaming the text; the stats line still goes to stderr.")
-@click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
+@click.option("--record", type=PathArg(), default=None, metavar="FILE",
               help="Append the prompt and output token ids to FILE as one `audit tokens` line "
                    "(with the decoder, model and N), so `audit tokens FILE --model MODEL` can check it.")
 @click.option("--sampling", default=None, metavar="SPEC", help=SAMPLING_HELP)

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import click
 
 from core.errors import UserError
 from core.version import version_option
+from core.clirun import PathArg
 from harness.commands.common import run_cli
 from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
 
@@ -37,7 +37,7 @@ from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
               help="Longest request, prompt tokens + max_tokens (longer is answered 400); at most the "
                    f"model's context. Default: the model's context, at most {DEFAULT_MAX_CONTEXT}. The "
                    "decoder's static state is sized for it at start, so no request waits for it to grow.")
-@click.option("--record", type=click.Path(path_type=Path), default=None, metavar="FILE",
+@click.option("--record", type=PathArg(), default=None, metavar="FILE",
               help="Append every finished request's prompt and output token ids to FILE as one JSON line "
                    "in `audit tokens` shape (a), with the sampler that decided it (greedy too), so that the "
                    "answers can be audited afterwards (`audit tokens FILE --model M`: each line under its own "

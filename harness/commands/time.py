@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat
+from core.clirun import FiniteFloat, PathArg
 from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
@@ -42,7 +42,7 @@ from harness.run import run_time
               help="New tokens in the untimed warm-up decode of each side, per prompt. The warm-up decodes "
                    "another prompt of the same length (random ids from --seed and the prompt's index).")
 @click.option("--device", default=TimeOptions.device, help="torch device. Default: cuda if available, else cpu.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=TimeOptions.out_dir,
+@click.option("--out", "out_dir", type=PathArg(), default=TimeOptions.out_dir,
               help="Output directory for stream.jsonl. Default: runs/<decoder>-<timestamp>.")
 @click.option("--force", is_flag=True, help="Replace an existing DIR/stream.jsonl.")
 @click.option("--seed", type=int, default=TimeOptions.seed, show_default=True,
