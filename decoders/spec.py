@@ -17,8 +17,10 @@ the GPU 0.2-0.9 ms on a 248k vocabulary, far more than the host wait each row's 
 the rows past a rejection are never needed. Greedy decoding runs the greedy code, unchanged.
 
 Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder arguments:
-  max_depth      largest draft depth (window = depth + 1 rows), default 6
-  depth          fix the depth instead of adapting (benchmarks)
+  max_depth      largest draft depth (window = depth + 1 rows), 0..15; default 6, or ``depth`` where
+                 that is deeper
+  depth          fix the depth instead of adapting (benchmarks), 0..15; at most ``max_depth`` where
+                 that is given
   stop           how a drafting round's depth is set: ``depth`` (default), the policy's depth for
                  the round, chosen before drafting; ``confidence``, drafts chained while the head's
                  calibrated confidence in them says one more is worth its price (decoders/policy.py),
@@ -40,6 +42,9 @@ Policy (depth) and mechanism (runtime, drafter) are separate objects; decoder ar
                  tokens), then read them all at once. Default auto: false where the runtime replays
                  CUDA graphs (one call costs 1.4 lone picks on the H200 for a window of 5), true
                  where it runs eagerly (on the CPU one call is slower than row by row)
+  capacity       positions the runtime and the head's cache are first built for, default 4096; at
+                 least what the start-up cost measurement uses (``calibration_positions``, 80); a
+                 longer request rebuilds them larger
 
 A decode's policy starts from the head's depth-1 acceptance as the last decode under the same
 sampler setting left it (the built-in prior, 0.3, before any): a head that predicts nothing pays
@@ -65,8 +70,8 @@ import torch
 from core.errors import UserError
 from core.sampling import GREEDY, Sampler, pick_rows_from_keys
 from decoders.base import DecodeResult, DecodeStats, stop_index
-from decoders.drafter import (HEAD_FILE, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head, load_shortlist,
-                              shortlist_source)
+from decoders.drafter import (HEAD_FILE, LONG_CHUNKS, PREFILL_ROWS, MTPDrafter, catch_up_sizes, load_head,
+                              load_shortlist, shortlist_source)
 from decoders.policy import Calibration, Costs, DepthPolicy
 from decoders.runtime.runtime import ExactRuntime
 from decoders.runtime.sizing import DEFAULT_CAPACITY, capacity_for
@@ -129,6 +134,11 @@ def accepted_prefix(pred: list[int], drafted: list[int]) -> int:
 
 
 STOPS = ("depth", "confidence")  # how a drafting round's depth is set (the ``stop`` argument)
+DEFAULT_MAX_DEPTH = 6
+MAX_DEPTH = 15  # the deepest draft the arguments allow (a window of 16 rows)
+
+# measure_costs' prompt length and timed rounds (calibration_positions sizes the state for them)
+COST_PROMPT, COST_REPS = 16, 7
 
 # the most plain steps decoded between two of the policy's choices: at most this many rounds pass
 # before a change of the plain step's measured time can turn drafting on
@@ -172,16 +182,22 @@ class SpecDecoder:
     name = "spec"
     sampling = True
 
-    def __init__(self, max_depth: int = 6, depth: int | None = None, shortlist: str | None = None,
+    def __init__(self, max_depth: int | None = None, depth: int | None = None, shortlist: str | None = None,
                  explore_every: int = 64, capacity: int = DEFAULT_CAPACITY, head: str | None = None,
                  online_costs: bool = True, coupled: bool = True, lazy_rows: bool | str | None = "auto",
                  stop: str = "depth"):
-        self.max_depth = int(max_depth) if depth is None else max(int(max_depth), int(depth))
         self.fixed = None if depth is None else int(depth)
-        if not 0 <= self.max_depth <= 15:
-            raise ValueError("max_depth must be within 0..15")
-        if self.fixed is not None and self.fixed < 0:
-            raise ValueError(f"depth must be >= 0 (0: plain steps only), not {self.fixed}")
+        if self.fixed is not None and not 0 <= self.fixed <= MAX_DEPTH:
+            raise ValueError(f"depth must be within 0..{MAX_DEPTH} (0: plain steps only), not {self.fixed}")
+        if max_depth is None:  # not given: the default, or the fixed depth where that is deeper
+            self.max_depth = max(DEFAULT_MAX_DEPTH, self.fixed or 0)
+        else:
+            self.max_depth = int(max_depth)
+            if not 0 <= self.max_depth <= MAX_DEPTH:
+                raise ValueError(f"max_depth must be within 0..{MAX_DEPTH}, not {self.max_depth}")
+            if self.fixed is not None and self.fixed > self.max_depth:
+                raise ValueError(f"depth {self.fixed} exceeds max_depth {self.max_depth}: give a depth within "
+                                 f"0..{self.max_depth}, or leave max_depth out (depth then sets it)")
         if stop not in STOPS:
             raise ValueError(f"stop must be one of {', '.join(STOPS)}, not {stop!r}")
         if stop == "confidence" and self.fixed is not None:
@@ -193,9 +209,9 @@ class SpecDecoder:
         self.explore_every = int(explore_every)
         if self.explore_every < 1:
             raise ValueError("explore_every must be >= 1")
-        self.capacity = int(capacity)
-        if self.capacity < 1:
+        if isinstance(capacity, bool) or int(capacity) < 1:
             raise ValueError(f"capacity must be >= 1 (positions the runtime is sized for), not {capacity}")
+        self.capacity = int(capacity)
         if not isinstance(online_costs, bool):
             raise ValueError("online_costs must be true or false")
         self.online_costs = online_costs
@@ -222,7 +238,8 @@ class SpecDecoder:
         self.model = model
         if self.head_dir is not None:
             self.head = load_head(model, self.head_dir)
-        self._build(self.capacity)
+        # a smaller capacity would not hold measure_costs' prompt, steps, windows and catch-ups
+        self._build(max(self.capacity, self.calibration_positions()))
         if not isinstance(self.lazy_rows_arg, bool):
             self.lazy_rows = not self.runtime.use_graphs
         self.cost_reps = self.measure_costs()
@@ -233,6 +250,15 @@ class SpecDecoder:
     def margin(self) -> int:
         """Positions a decode needs beyond its prompt and new tokens: the last round's window."""
         return self.max_depth + 2
+
+    def calibration_positions(self, reps: int = COST_REPS) -> int:
+        """Positions ``measure_costs`` uses, the least ``prepare`` builds for. The runtime's: its
+        prompt, one committed step per rep and the widest window after them. The drafter's: the
+        prompt's head rows (padded to PREFILL_ROWS on the CPU) and every graphed catch-up size
+        after them: any capacity measures what the default one does."""
+        runtime = COST_PROMPT + reps + self.max_depth + 1
+        drafter = COST_PROMPT + max(catch_up_sizes(self.max_depth + 1, max(LONG_CHUNKS)))
+        return max(runtime, drafter, PREFILL_ROWS)
 
     def _build(self, capacity: int) -> None:
         old = self.runtime
@@ -270,7 +296,7 @@ class SpecDecoder:
         return shortlist_source(self.model, self.shortlist_path, self.head_dir)
 
     @torch.inference_mode()
-    def measure_costs(self, reps: int = 7) -> dict:
+    def measure_costs(self, reps: int = COST_REPS) -> dict:
         """Seconds of a plain step, a chained head step, each verify window and the head's rows for
         a 16-token prompt (one block of PREFILL_ROWS rows where they are padded), on this device,
         now, every rep kept: ``{"step": [..], "draft": [..], "verify": {w: [..]},
@@ -279,7 +305,7 @@ class SpecDecoder:
         op, not every rep of one op, so the ratios between ops that the policy trades on stay right
         in the fastest round."""
         rt, dr, dev = self.runtime, self.drafter, self.model.device
-        prompt = list(range(3, 3 + 16))
+        prompt = list(range(3, 3 + COST_PROMPT))
         logits, hidden = rt.prefill(prompt)
         dr.prefill(hidden, prompt)
         tok = logits.argmax(-1).view(1, 1)

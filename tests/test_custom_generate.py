@@ -3,12 +3,13 @@ trust_remote_code=True)`` on a ``Qwen3_5ForCausalLM`` loaded the usual way retur
 ``generate(do_sample=False)`` returns, in the same shapes, decoded by ``spec``."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
 import torch
 import transformers
-from transformers import Qwen3_5ForCausalLM
+from transformers import GenerationConfig, Qwen3_5ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from core.models import SMALL_DIR, TINY_DIR
@@ -64,6 +65,97 @@ def test_batch_pads_after_eos_and_dict_output(hf):
     assert torch.equal(plain, want.sequences)
 
 
+def recorded(call):
+    """call()'s result and the messages of the warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    return out, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("length", [
+    {}, {"max_new_tokens": None}, {"max_new_tokens": 6}, "max_length", "generation_config",
+])
+def test_length_is_generates_own(hf, length):
+    """With no length argument greedy generate adds 20 tokens (with its warning on the default
+    max_length), whatever the prompt length; max_length counts the prompt, in an argument or a
+    GenerationConfig. custom_generate follows, shape and warning alike."""
+    _, model, tok = hf
+    text = tok.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 4)
+    for size in (5, 30):
+        ids = torch.tensor([text[:size]])
+        kw = ({"max_length": size + 7} if length == "max_length"
+              else {"generation_config": GenerationConfig(max_length=size + 5)} if length == "generation_config"
+              else length)
+        want, theirs = recorded(lambda: model.generate(ids, do_sample=False, **kw))
+        got, ours = recorded(lambda: exact(model, ids, **kw))
+        assert torch.equal(got, want), (size, kw)
+        if not kw or kw == {"max_new_tokens": None}:
+            assert want.shape == (1, size + 20)
+        default_warning = [m for m in theirs if "default `max_length`" in m]
+        assert default_warning == [m for m in ours if "default `max_length`" in m]
+        assert bool(default_warning) == (not kw or kw == {"max_new_tokens": None})
+
+
+@pytest.mark.parametrize("hf", ["tiny"], indirect=True)  # tiny: a prompt of 4090 tokens in a second
+def test_default_length_stops_at_the_context(hf):
+    """generate's default of 20 new tokens is capped at the model's context; a prompt that
+    fills the context leaves nothing to generate, a ValueError."""
+    _, model, _ = hf
+    context = model.config.max_position_embeddings
+    ids = torch.tensor([[5 + i % 400 for i in range(context - 6)]])
+    want, theirs = recorded(lambda: model.generate(ids, do_sample=False))
+    got, ours = recorded(lambda: exact(model, ids))
+    assert want.shape == (1, context) and torch.equal(got, want)
+    assert [m for m in theirs if "max_length" in m] == [m for m in ours if "max_length" in m] != []
+    full = torch.tensor([[5] * context])
+    with pytest.raises(ValueError, match=f"fills the model's context of {context}"):
+        exact(model, full)
+
+
+def test_nothing_to_generate_names_the_setting(hf):
+    _, model, _ = hf
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match="max_length"):
+        model.generate(ids, do_sample=False, max_length=3)
+    with pytest.raises(ValueError, match=r"max_length=3 counts the prompt of 5 tokens; raise max_length"):
+        exact(model, ids, max_length=3)
+
+
+@pytest.mark.parametrize("kw", [{"sampling": "qwen-thinking"}, {"max_new_token": 8}, {"decodr": "fast-serial"}])
+def test_unknown_argument_is_refused_as_generate_refuses_it(hf, kw):
+    """A name neither generate nor the model takes (a typo) is generate's ValueError naming it,
+    not silently ignored."""
+    _, model, _ = hf
+    ids = torch.tensor([[5, 6, 7]])
+    named = re.escape(f"not used by the model: {list(kw)}")
+    with pytest.raises(ValueError, match=named):
+        model.generate(ids, do_sample=False, max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match=named + ".*decoder, decoder_args, sampler"):
+        exact(model, ids, max_new_tokens=4, **kw)
+
+
+def test_what_generate_ignores_stays_accepted(hf):
+    """A None model argument (generate skips it) and a tokenizer (generate's, for stop strings)
+    change nothing, here as in generate."""
+    _, model, tok = hf
+    ids = torch.tensor([tok.encode("def fib(n):")])
+    want = model.generate(ids, do_sample=False, max_new_tokens=8, sampling=None, tokenizer=tok)
+    assert torch.equal(exact(model, ids, max_new_tokens=8, sampling=None, tokenizer=tok), want)
+
+
+def test_input_mistakes_are_value_errors(hf):
+    """core's UserError (not a ValueError) never reaches a generate() caller."""
+    _, model, _ = hf
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in 0\.\.\d+"):
+        exact(model, torch.tensor([[10**6]]), max_new_tokens=4)
+    context = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"context of {context}"):
+        exact(model, torch.tensor([[5] * (context + 5)]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="takes no argument 'k'"):
+        exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, decoder_args={"k": -1})
+
+
 def test_max_length_and_explicit_eos(hf):
     _, model, tok = hf
     ids = torch.tensor([tok.encode("import os\n")])
@@ -104,11 +196,23 @@ def test_streamer_sees_prompt_then_every_token(hf):
     ({"repetition_penalty": 1.3}, "repetition_penalty"),
     ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
     ({"attention_mask": torch.tensor([[0, 1, 1]])}, "attention_mask"),
+    ({"position_ids": torch.tensor([[0, 1, 2]])}, r"model inputs \['position_ids'\]"),
+    ({"token_healing": True}, "token_healing"),
+    ({"dola_layers": "high"}, "dola_layers"),
+    ({"use_mtp": True}, "use_mtp"),
 ])
 def test_what_greedy_exactness_cannot_honour_is_refused(hf, kw, match):
     _, model, _ = hf
     with pytest.raises(ValueError, match=match):
         exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kw)
+
+
+def test_a_setting_plain_does_not_name_is_refused_by_its_mode(monkeypatch):
+    """Greedy search is checked as generate decides it, not only setting by setting."""
+    monkeypatch.setattr(hf_generate, "PLAIN", ())
+    with pytest.raises(ValueError, match="beam_search"):
+        hf_generate.check_plain(GenerationConfig(num_beams=2))
+    hf_generate.check_plain(GenerationConfig())
 
 
 def test_seeded_sampler_gives_serial_sampling(hf):
@@ -134,13 +238,13 @@ def test_model_without_mtp_falls_back_to_fast_serial(tmp_path):
     bare = Qwen3_5ForCausalLM.from_pretrained(str(tmp_path))
     ids = torch.tensor([[5, 60, 70, 80]])
     want = bare.generate(ids, do_sample=False, max_new_tokens=12)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = exact(bare, ids, max_new_tokens=12)
+    got, said = recorded(lambda: exact(bare, ids, max_new_tokens=12))
     assert torch.equal(got, want)
-    assert any("fast-serial" in str(w.message) for w in caught)
-    with pytest.raises(ValueError, match="MTP head"):
+    said = [m for m in said if "fast-serial" in m]
+    assert said and said[0].count(str(tmp_path)) == 1
+    with pytest.raises(ValueError, match="MTP head") as refused:
         exact(bare, ids, max_new_tokens=4, decoder="spec")
+    assert str(refused.value).count(str(tmp_path)) == 1 and "no mtp.* weights" in str(refused.value)
 
 
 def test_other_dtype_is_refused():

@@ -128,6 +128,24 @@ def test_long_generation_grows_capacity(tiny, serial, prompts):
     assert dec.runtime.capacity >= len(prompts[1]) + 200
 
 
+@pytest.mark.parametrize("capacity", [1, 20])
+def test_a_small_capacity_grows_and_stays_exact(tiny, serial, prompts, capacity):
+    """Any capacity the constructor takes works: ``prepare`` builds at least what its cost
+    measurement uses, and a request past that grows the runtime and the drafter alike."""
+    short = prompts[0][:capacity + 1]  # longer than the capacity, within the start-up size
+    for dec in (SpecDecoder(capacity=capacity), SpecDecoder(depth=6, capacity=capacity),
+                InstrumentedSpecDecoder(alpha=0.8, depth=6, capacity=capacity)):
+        dec.prepare(tiny)
+        start = dec.calibration_positions()
+        assert dec.runtime.capacity == dec.drafter.capacity == start > capacity
+        assert dec.decode(short, 12).tokens == serial.decode(short, 12).tokens
+        assert dec.runtime.capacity == start  # it fitted: nothing was rebuilt
+        long_ids = prompts[0]
+        assert len(long_ids) + 32 + dec.margin > start  # this one grows the state
+        assert dec.decode(long_ids, 32).tokens == serial.decode(long_ids, 32).tokens
+        assert dec.runtime.capacity == dec.drafter.capacity >= len(long_ids) + 32 + dec.margin
+
+
 def test_stats_carry_depth_trace_and_time_split(tiny, prompts):
     dec = InstrumentedSpecDecoder(alpha=0.8, depth=3)
     dec.prepare(tiny)
@@ -145,6 +163,27 @@ def test_bad_arguments():
         SpecDecoder(stop="never")
     with pytest.raises(ValueError, match="depth="):
         SpecDecoder(stop="confidence", depth=3)
+    for bad in (0, -5, True):
+        with pytest.raises(ValueError, match="capacity must be >= 1"):
+            SpecDecoder(capacity=bad)
+
+
+def test_depth_and_max_depth():
+    """``depth`` out of range names ``depth``; a depth above a given ``max_depth`` is refused;
+    without ``max_depth``, a depth deeper than the default sets it."""
+    for bad in (20, 16, -1):
+        with pytest.raises(ValueError, match=rf"^depth must be within 0\.\.15 .*not {bad}$"):
+            SpecDecoder(depth=bad)
+    with pytest.raises(ValueError, match=r"^max_depth must be within 0\.\.15, not 16$"):
+        SpecDecoder(max_depth=16)
+    with pytest.raises(ValueError, match=r"^depth 5 exceeds max_depth 2: give a depth within 0\.\.2"):
+        SpecDecoder(max_depth=2, depth=5)
+    with pytest.raises(ValueError, match="depth 1 exceeds max_depth 0"):
+        InstrumentedSpecDecoder(alpha=0.5, max_depth=0, depth=1)
+    assert (SpecDecoder().max_depth, SpecDecoder().fixed) == (6, None)
+    assert (SpecDecoder(depth=2).max_depth, SpecDecoder(depth=9).max_depth, SpecDecoder(depth=15).max_depth) == (6, 9, 15)
+    assert (SpecDecoder(max_depth=2, depth=2).max_depth, SpecDecoder(max_depth=4, depth=0).max_depth) == (2, 4)
+    assert SpecDecoder(max_depth=3).max_depth == 3
 
 
 @pytest.mark.parametrize("sampler", [None, Sampler(temperature=0.6, top_k=8, seed=4)], ids=["greedy", "sampled"])
