@@ -109,8 +109,8 @@ def get_decoder(spec: str, **kwargs):
         unknown = [k for k in kwargs if k not in takes]
         if unknown and readable and not open_ended:
             raise UserError(f"decoder {spec!r} takes no argument {', '.join(map(repr, unknown))} "
-                            f"(--decoder-arg {given}); its arguments: {listing}") from None
-        raise UserError(f"decoder {spec!r} rejected --decoder-arg {given}: {exc}; its arguments: {listing}") from None
+                            f"(given: {given}); its arguments: {listing}") from None
+        raise UserError(f"decoder {spec!r} rejected {given}: {exc}; its arguments: {listing}") from None
     for attr in ("name", "prepare", "decode", "config"):
         if not hasattr(decoder, attr):
             raise UserError(f"decoder {spec!r} does not follow the protocol: it has no {attr!r}")

@@ -295,7 +295,7 @@ def test_missing_prompt_file_is_refused_before_the_model_loads(tmp_path):
 @pytest.mark.parametrize("decoder,arg,needles", [
     ("spec", "bogus=1", ("decoder 'spec' takes no argument 'bogus'", "its arguments: ", "max_depth=")),
     ("serial", "depth=2", ("decoder 'serial' takes no argument 'depth'", "its arguments: none")),
-    ("plugin_decoders:Validates", "width=0", ("decoder 'plugin_decoders:Validates' rejected --decoder-arg width=0",
+    ("plugin_decoders:Validates", "width=0", ("decoder 'plugin_decoders:Validates' rejected width=0",
                                               "width must be at least 1", "its arguments: width=4, tag='validates'")),
 ])
 def test_decoder_arg_errors_name_the_decoder_and_its_arguments(tmp_path, decoder, arg, needles):

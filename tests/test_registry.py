@@ -114,9 +114,9 @@ def test_bad_decoder_specs_are_user_errors(spec, needles):
 
 
 @pytest.mark.parametrize("args,needle", [
-    ({"depth": 20}, "rejected --decoder-arg depth=20: depth must be within 0..15"),
-    ({"max_depth": 2, "depth": 5}, "rejected --decoder-arg max_depth=2 depth=5: depth 5 exceeds max_depth 2"),
-    ({"max_depth": 99}, "rejected --decoder-arg max_depth=99: max_depth must be within 0..15"),
+    ({"depth": 20}, "rejected depth=20: depth must be within 0..15"),
+    ({"max_depth": 2, "depth": 5}, "rejected max_depth=2 depth=5: depth 5 exceeds max_depth 2"),
+    ({"max_depth": 99}, "rejected max_depth=99: max_depth must be within 0..15"),
 ])
 def test_spec_depth_errors_name_the_argument(args, needle):
     with pytest.raises(UserError) as info:
