@@ -103,9 +103,11 @@ class Sampler:
     def parse(cls, text: str) -> "Sampler":
         """``greedy``, a preset (``qwen-thinking``), ``key=value,...``, or a preset followed by
         overrides: ``qwen-thinking,seed=7``. Keys: temperature (or t), top_k, top_p, min_p, seed,
-        each at most once. A seed or filter that greedy decoding would ignore is refused."""
+        each at most once. A filter at temperature 0, or a seed with no temperature and no preset
+        (greedy decoding would ignore either), is refused."""
         fields: dict = {}
         given: list[str] = []
+        preset = False
         for i, part in enumerate(p.strip() for p in str(text).split(",")):
             if not part:
                 raise SamplerError(f"empty item in sampler {text!r}")
@@ -115,6 +117,7 @@ class Sampler:
                 if i:
                     raise SamplerError(f"preset {part!r} must come first, before any key=value item")
                 fields.update(PRESETS.get(part, {}))
+                preset = True
                 continue
             key, value = (s.strip() for s in part.split("=", 1))
             key = {"t": "temperature", "temp": "temperature"}.get(key, key)
@@ -129,9 +132,9 @@ class Sampler:
             except ValueError:
                 raise SamplerError(f"sampler {key}={value!r} is not {'an integer' if integer else 'a number'}") from None
         sampler = cls(**fields).require_effective()
-        if sampler.greedy and "seed" in given:
-            raise SamplerError(f"seed={sampler.seed} has no effect at temperature 0 (greedy): give a temperature "
-                               "above 0 to sample")
+        if sampler.greedy and "seed" in given and "temperature" not in given and not preset:
+            raise SamplerError(f"seed={sampler.seed} without a temperature samples nothing: give a temperature "
+                               "above 0 to sample (or temperature=0 for greedy)")
         return sampler
 
     def require_effective(self) -> "Sampler":

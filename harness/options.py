@@ -11,8 +11,8 @@ from decoders import CONTROL, DEFAULT_DECODER
 SAMPLING_HELP = ("Seeded sampling (core.sampling): greedy (the default), a preset (qwen-thinking: temperature=0.6,"
                  "top_p=0.95,top_k=20; qwen-instruct: temperature=0.7,top_p=0.8,top_k=20), or key=value items "
                  "(temperature or t, top_k, top_p, min_p, seed; each once), optionally after a preset: "
-                 "qwen-thinking,seed=7. The seed defaults to 0; temperature 0 is greedy, and a seed or filter "
-                 "without a temperature is refused.")
+                 "qwen-thinking,seed=7. The seed defaults to 0; temperature 0 is greedy, and a filter at "
+                 "temperature 0 or a seed with no temperature is refused.")
 
 
 def parse_sampling(text: str | None, overrides: dict | None = None):
@@ -29,8 +29,9 @@ def parse_sampling(text: str | None, overrides: dict | None = None):
     except SamplerError as exc:
         what = f"--sampling {text!r}" if text is not None else "sampling"
         raise UserError(f"{what}: {exc}") from None
-    if sampler.greedy and "seed" in given:  # a user who forgot the temperature would believe they sampled
-        raise UserError(f"--seed {given['seed']} has no effect at temperature 0 (greedy): give --temperature "
+    if sampler.greedy and "seed" in given and "temperature" not in given and text is None:
+        # a user who forgot the temperature would believe they sampled
+        raise UserError(f"--seed {given['seed']} without a temperature samples nothing: give --temperature "
                         "above 0 or a --sampling preset to sample")
     return sampler
 

@@ -239,7 +239,7 @@ def test_preset_with_overrides(tiny):
     (("--top-k", "5"), "top_k=5 has no effect at temperature 0"),
     (("--sampling", "top_p=0.5"), "top_p=0.5 has no effect at temperature 0"),
     (("--sampling", "qwen-thinking", "--temperature", "0"), "has no effect at temperature 0"),
-    (("--seed", "5"), "--seed 5 has no effect at temperature 0 (greedy)"),
+    (("--seed", "5"), "--seed 5 without a temperature samples nothing"),
     (("--sampling", "seed=7,seed=8"), "sampler key 'seed' given twice"),
 ])
 def test_bad_sampling_is_one_line_before_the_load(no_model_load, args, message):

@@ -222,11 +222,13 @@ def test_a_filter_at_temperature_0_is_refused_not_ignored(text):
         Sampler.parse(text)
 
 
-@pytest.mark.parametrize("text", ["seed=7", "greedy,seed=3", "temperature=0,seed=2"])
-def test_a_seed_at_temperature_0_is_refused_not_ignored(text):
-    """A seed with no temperature draws nothing: as with a filter, the user meant to sample."""
-    with pytest.raises(SamplerError, match=r"seed=\d has no effect at temperature 0"):
+@pytest.mark.parametrize("text", ["seed=7", "min_p=0,seed=3"])
+def test_a_seed_without_a_temperature_is_refused_not_ignored(text):
+    """A seed with no temperature draws nothing: as with a filter, the user meant to sample. A
+    temperature of 0 or the greedy preset, given with it, says greedy was meant."""
+    with pytest.raises(SamplerError, match=r"seed=\d without a temperature samples nothing"):
         Sampler.parse(text)
+    assert Sampler.parse("greedy,seed=3").greedy and Sampler.parse("temperature=0,seed=2").greedy
 
 
 @pytest.mark.parametrize("text,match", [
