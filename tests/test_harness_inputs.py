@@ -27,7 +27,7 @@ def one_error_line(result) -> str:
 
 
 @pytest.mark.parametrize("args, words", [
-    (("--decoder-arg", "depth=-1"), "depth must be >= 0"),
+    (("--decoder-arg", "depth=-1"), "depth must be within 0..15 (0: plain steps only), not -1"),
     (("--decoder", "json:loads"), "could not be built with no arguments"),
     (("--device", "gpu"), "--device 'gpu' is not available"),
     (("--device", "mps"), "--device 'mps' is not available"),
