@@ -470,6 +470,11 @@ def test_a_ctrl_c_inside_the_weight_reader_is_an_interrupt_not_a_corrupt_shard(t
                 raise RuntimeError("read interrupted") from None  # as a library's own error
 
     monkeypatch.setattr(models, "safe_open", InterruptedReader)
-    with pytest.raises(KeyboardInterrupt):
-        models.read_tensors(models.checkpoint_files(path), "cpu")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+    # Python's own handler, whatever this process inherited (a shell's background job ignores SIGINT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            models.read_tensors(models.checkpoint_files(path), "cpu")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+    finally:
+        signal.signal(signal.SIGINT, inherited)
