@@ -233,7 +233,7 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, "cuda")
     windows = [int(w) for w in args.windows.split(",")]
-    spec = SpecDecoder(max_depth=max(windows) - 1)
+    spec = SpecDecoder(max_depth=max(windows) - 1, capacity=max(4096, args.prompt_len + 512))
     spec.prepare(model)
     rt, dr = spec.runtime, spec.drafter
     print("calibration:", json.dumps(rt.cal.to_json()))
