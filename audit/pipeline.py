@@ -74,8 +74,21 @@ def load_replay_model(run, model_spec: str | None, dev: str):
         hint = ("; if that checkpoint has moved, give its directory now with --model DIR"
                 if model_spec is None and not Path(spec).exists() and ("/" in spec or "\\" in spec) else "")
         raise UserError(f"cannot load model {spec!r} to replay with: {exc}{hint}") from None
+    if model_spec is not None:
+        refuse_another_model(run.header["model"], model.identity, model_spec)
     check_prompt_ids(run, model.vocab_size, getattr(model.text_config, "max_position_embeddings", None))
     return model
+
+
+def refuse_another_model(recorded: dict, replayed: dict, model_spec: str) -> None:
+    """A ``--model`` the caller named that is not the model the stream records is the caller's
+    mistake, not a finding about the stream: refused before anything is replayed or written.
+    (The header's own model failing its identity check is a finding: ``file_findings``.)"""
+    failing = [f for f in checks.check_model_identity(recorded, replayed) if f["severity"] == "fail"]
+    if failing:
+        keys = " and ".join(failing[0]["mismatched"])
+        raise BadInput(f"--model {model_spec!r} is not the model that recorded the stream ({recorded.get('name')!r}; "
+                       f"{keys} differ): leave --model out to replay with the stream's own model")
 
 
 # snippets a corpus prompt set may ask to be cut again to check its sha256 (stdlib-train:N with a
@@ -126,8 +139,10 @@ def file_findings(run, model) -> tuple[list[dict], list[dict]]:
     findings += checks.check_instrument(run.header)
     findings += checks.check_control_code(run.header)
     findings += checks.check_reference(run.header)
-    findings += checks.check_prompt_set(run.header, run.prompts,
-                                        reference_prompts(run.header, model, len(run.prompts)))
+    # another model's tokenizer would cut other prompts: that would repeat the model's finding
+    reference = ("the prompt set is not rebuilt: the replayed model is not the one that recorded the stream"
+                 if model_findings else reference_prompts(run.header, model, len(run.prompts)))
+    findings += checks.check_prompt_set(run.header, run.prompts, reference)
     findings += checks.run_checks(run)
     return findings, model_findings
 

@@ -249,6 +249,20 @@ def test_another_model_says_not_replayed_rather_than_not_exact(stream):
     doc = json.loads((stream.parent / "audit.json").read_text())
     assert (doc["exact"], doc["replayed"], doc["replay"]["tokens_replayed"]) == (False, False, 0)
     assert "exact: not replayed" in result.stdout and "exact: NO" not in result.stdout
+    # another tokenizer would cut other prompts: the model's finding is not repeated as a prompts one
+    assert not findings(doc, "prompts", severity="fail")
+    assert any("not rebuilt" in f["message"] for f in findings(doc, "prompts", severity="warn"))
+
+
+def test_a_named_model_that_did_not_record_the_stream_is_refused_and_writes_nothing(stream):
+    assert replay(stream).exit_code == 0
+    audit_json = stream.parent / "audit.json"
+    before = audit_json.read_bytes()
+    result = replay(stream, "--model", "small")
+    line = error_line(result)
+    assert result.exit_code == 2 and "--model 'small' is not the model that recorded the stream ('tiny'" in line
+    assert "leave --model out" in line and "replaying" not in result.stderr
+    assert audit_json.read_bytes() == before  # the passing audit the user had is still there
 
 
 def test_an_unwritable_out_is_refused_before_the_replay(stream, tmp_path):
