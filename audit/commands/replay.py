@@ -15,7 +15,8 @@ from audit.commands.common import check_device_option, run_command
 @version_option
 @click.argument("streams", metavar="STREAM...", nargs=-1, required=True)
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
-              help="Model to replay with (built-in name or checkpoint dir). Default: the one the header names.")
+              help="Model to replay with (built-in name or checkpoint dir): the recorded weights, e.g. where a checkpoint "
+                   "has moved; another model is refused. Default: the one the header names.")
 @click.option("--out", "out_path", default=None, metavar="AUDIT_JSON",
               help="Where to write the audit (one STREAM only). Default: audit.json beside each STREAM.")
 @click.option("--device", default=None,

@@ -29,7 +29,8 @@ from audit.commands.common import run_command
 @click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timed legs per side per fresh prompt, ABBA.")
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
-              help="Model (built-in name or checkpoint dir). Default: the one the header names.")
+              help="Model (built-in name or checkpoint dir): the recorded weights, e.g. where a checkpoint has moved; "
+                   "another model is refused. Default: the one the header names.")
 @click.option("--device", default=None,
               help="torch device. Default: the recording device's type if present, else cpu.")
 @click.option("--allow-device-mismatch", is_flag=True,
