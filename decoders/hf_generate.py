@@ -14,7 +14,8 @@ checkpoint has no MTP head decodes with ``fast-serial`` (the same tokens) and sa
 The length is transformers' own: ``max_new_tokens``, else ``max_length`` (counting the prompt),
 else its default of 20 new tokens capped at the model's context. Anything greedy ``generate``
 would do differently (HF's sampling, beams, logits processors, scores, padded prompts, model
-inputs such as ``past_key_values``) is refused with a ValueError, and so is an argument that
+inputs such as ``past_key_values``, another cache than the dynamic one, ``use_cache=False``) is
+refused with a ValueError, and so is an argument that
 neither this path nor ``generate`` knows (a typo), as ``generate`` refuses it; every mistake in
 the input reaches the caller as a ValueError. This project's seeded sampler comes as
 ``sampler="qwen-thinking,seed=7"`` (a ``core.sampling.Sampler`` or its text), the tokens then
@@ -47,6 +48,9 @@ PLAIN = (("do_sample", (False, None)), ("num_beams", (1, None)), ("num_beam_grou
          ("remove_invalid_values", (False, None)), ("token_healing", (False, None)), ("constraints", (None,)),
          ("force_words_ids", (None,)), ("dola_layers", (None,)), ("use_mtp", (False, None)),
          ("assistant_early_exit", (None,)))
+# the exact decoders reproduce decoding with transformers' dynamic cache, whose arithmetic another
+# cache (or none) need not share
+CACHE = (("use_cache", (True, None)), ("cache_implementation", (None, "dynamic")))
 UNSUPPORTED_ARGS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
                     "assistant_tokenizer", "negative_prompt_ids", "negative_prompt_attention_mask", "synced_gpus")
 OWN_ARGS = "decoder, decoder_args, sampler"
@@ -119,6 +123,11 @@ def check_plain(config) -> None:
         if value not in plain:
             raise ValueError(f"exact generate: {name}={value!r} is not supported (greedy decoding, "
                              f"do_sample=False, only)")
+    for name, plain in CACHE:
+        value = getattr(config, name, None)
+        if value not in plain:
+            raise ValueError(f"exact generate: {name}={value!r} is not supported (the tokens are those of "
+                             "decoding with transformers' dynamic cache, the default)")
     # a generation setting PLAIN does not name yet (a newer transformers) still shows in the mode
     from transformers.generation.configuration_utils import GenerationMode
 
@@ -162,6 +171,12 @@ def new_token_count(model, config, ids: torch.Tensor, default_max: bool, default
             why = f"a prompt of {length} tokens fills the model's context of {config.max_length} positions"
         raise ValueError(f"exact generate: nothing to generate: {why}")
     model._validate_generated_length(config, length, default_max)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and config.max_length > context:  # named as the caller gave it
+        what = (f"a prompt of {length} tokens + max_new_tokens={config.max_new_tokens}"
+                if config.max_new_tokens is not None else f"max_length={config.max_length}")
+        raise ValueError(f"exact generate: {what} = {config.max_length} positions, beyond the model's context "
+                         f"of {context}")
     return n
 
 

@@ -156,6 +156,18 @@ def test_input_mistakes_are_value_errors(hf):
         exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, decoder_args={"k": -1})
 
 
+def test_a_length_beyond_the_context_names_the_callers_setting(hf):
+    _, model, _ = hf
+    context = model.config.max_position_embeddings
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=rf"max_length={context + 1} = {context + 1} positions, beyond the model's "
+                                         rf"context of {context}"):
+        exact(model, ids, max_length=context + 1)
+    with pytest.raises(ValueError, match=rf"a prompt of 3 tokens \+ max_new_tokens={context} = {context + 3} "
+                                         rf"positions, beyond the model's context of {context}"):
+        exact(model, ids, max_new_tokens=context)
+
+
 def test_max_length_and_explicit_eos(hf):
     _, model, tok = hf
     ids = torch.tensor([tok.encode("import os\n")])
@@ -252,3 +264,21 @@ def test_other_dtype_is_refused():
     model = Qwen3_5ForCausalLM.from_pretrained(str(TINY_DIR), dtype=torch.float32)
     with pytest.raises(ValueError, match="bfloat16"):
         exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kw", [{"use_cache": False}, {"cache_implementation": "static"}])
+def test_another_cache_is_refused(hf, kw):
+    """The tokens are those of decoding with the dynamic cache; asking for another (or none) is
+    refused rather than answered with tokens that setting may not produce."""
+    _, model, _ = hf
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported \(the tokens are those of decoding "
+                                         r"with transformers' dynamic cache"):
+        exact(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kw)
+
+
+def test_the_default_cache_named_is_accepted(hf):
+    _, model, _ = hf
+    ids = torch.tensor([[5, 6, 7]])
+    want = model.generate(ids, do_sample=False, max_new_tokens=6)
+    assert torch.equal(exact(model, ids, max_new_tokens=6, use_cache=True, cache_implementation="dynamic"), want)
