@@ -192,9 +192,16 @@ def check_control_code(header: dict) -> list[dict]:
     if not isinstance(modified, list):
         return [finding("control-code-modified", "fail", None, "the header's control_code.modified is not a list")]
     paths = [m.get("path") if isinstance(m, dict) else m for m in modified]
-    return [finding("control-code-modified", "fail", None,
-                    f"the harness found {path!r} changed from its reference before timing: the control did "
-                    "not run the code it names", path=path) for path in paths]
+    out = [finding("control-code-modified", "fail", None,
+                   f"the harness found {path!r} changed from its reference before timing: the control did "
+                   "not run the code it names", path=path) for path in paths]
+    unverified = code.get("unverified")
+    if isinstance(unverified, list) and unverified:
+        out.append(finding("control-code-unverified", "warn", None,
+                           f"{len(unverified)} file(s) the control loaded are covered by no reference (git HEAD, "
+                           f"RECORD), so the harness could not prove them unchanged, e.g. {unverified[0]!r}",
+                           paths=unverified[:LISTED_LEGS]))
+    return out
 
 
 def check_instrument(header: dict) -> list[dict]:

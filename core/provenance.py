@@ -51,13 +51,13 @@ CLOSURE_TIMEOUT_S = 300
 # ``pycache=`` for a closure that loads the interpreter's own ``__pycache__`` files (see Closure)
 PROCESS_PYCACHE = "process"
 
-# run by the fresh interpreter: import the modules, print every loaded module's file
+# run by the fresh interpreter: import the modules, print every loaded module's file by name
 CLOSURE = """
 import json, sys
 for name in sys.argv[1:]:
     __import__(name)
-print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values())
-                         if isinstance(getattr(m, "__file__", None), str)})))
+print(json.dumps({n: m.__file__ for n, m in list(sys.modules.items())
+                  if isinstance(getattr(m, "__file__", None), str)}))
 """
 
 
@@ -69,6 +69,7 @@ class ProvenanceReport:
     unverified: list[str] = field(default_factory=list)  # loaded, covered by no reference
     startup: list[dict] = field(default_factory=list)  # path, kind, owner (a distribution or None)
     seconds: float = 0.0
+    modules: dict[str, str] = field(default_factory=dict)  # the closure's module name -> file
 
     @property
     def ok(self) -> bool:
@@ -83,12 +84,20 @@ class ProvenanceReport:
                 "unverified": self.unverified, "startup": self.startup, "seconds": round(self.seconds, 3)}
 
     def findings(self) -> list[dict]:
-        """``control-code-modified`` (fail) per changed file; ``control-startup-code`` (warn) for
-        startup code no distribution owns. Shaped as the audit's findings."""
+        """``control-code-modified`` (fail) per changed file; ``control-code-unverified`` (warn) for
+        loaded files no reference covers; ``control-startup-code`` (warn) for startup code no
+        distribution owns. Shaped as the audit's findings."""
         out = [{"check": "control-code-modified", "severity": "fail", "prompt_id": None,
                 "message": f"{m['path']} differs from its reference ({m['reference']}: expected {m['expected']}, "
                            f"found {m['actual']}): the control would not run the code it names", **m}
                for m in self.modified]
+        if self.unverified:
+            shown = ", ".join(self.unverified[:3]) + (f" and {len(self.unverified) - 3} more"
+                                                      if len(self.unverified) > 3 else "")
+            out.append({"check": "control-code-unverified", "severity": "warn", "prompt_id": None,
+                        "message": f"{len(self.unverified)} file(s) the control loads are covered by no reference "
+                                   f"(not at git HEAD, not in a RECORD), so they are not proven unchanged: {shown}",
+                        "paths": self.unverified})
         unowned = [s["path"] for s in self.startup if s["owner"] is None]
         if unowned:
             out.append({"check": "control-startup-code", "severity": "warn", "prompt_id": None,
@@ -201,7 +210,8 @@ class Closure:
                                      env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
-    def files(self) -> list[str]:
+    def files(self) -> dict[str, str]:
+        """Module name -> the absolute, normalised file it was loaded from."""
         try:
             out, err = self.proc.communicate(timeout=CLOSURE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -212,7 +222,8 @@ class Closure:
                 self.cache.cleanup()
         if self.proc.returncode != 0 or not out.strip():
             raise OSError(f"importing the control's modules failed: {err.strip()[-400:]}")
-        return [os.path.normpath(p) for p in json.loads(out.strip().splitlines()[-1]) if os.path.isabs(p)]
+        loaded = json.loads(out.strip().splitlines()[-1])
+        return {name: os.path.normpath(f) for name, f in loaded.items() if os.path.isabs(f)}
 
 
 def stdlib_dirs() -> tuple[str, ...]:
@@ -256,6 +267,7 @@ def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_
     package) and ``records`` (``record_index()``'s map) are injectable; ``pycache`` is the
     closure's (``Closure``)."""
     start = clock()
+    git_reference_given = git_reference
     closure = Closure(control_modules, python, pycache)
     report, done = ProvenanceReport(), set()
     try:
@@ -269,7 +281,16 @@ def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_
         first |= {s["path"] for s in report.startup if s["owner"] is not None}
         check_files(first, git_reference, records, report, done)
     finally:
-        loaded = closure.files()
+        modules = closure.files()
+    report.modules = modules
+    loaded = list(modules.values())
+    # the work tree is that of the files the closure loaded, which this process's import path
+    # (a PYTHONPATH, the current directory) may not share
+    own = modules.get(control_modules[0]) if control_modules else None
+    if own is not None and (git_reference is None or not own.startswith(git_reference.root + os.sep)) \
+            and not isinstance(git_reference_given, GitReference):
+        found = GitReference.find(os.path.dirname(own))
+        git_reference = found if found is not None else git_reference
     later = set(loaded)
     if git_reference is not None:
         packages = {os.path.relpath(p, git_reference.root).split(os.sep)[0] for p in loaded
@@ -326,8 +347,24 @@ def package_dir(modules) -> str | None:
     return str(Path(list(spec.submodule_search_locations)[0]).parent)
 
 
-def control_code_header(**kwargs) -> tuple[dict, list[dict]]:
-    """For ``harness time``: the check's summary for the run header (``control_code``) and its
-    findings (a non-empty ``control-code-modified`` list means the control's code changed)."""
+def loaded_elsewhere(modules: dict[str, str], loaded: dict | None = None) -> list[dict]:
+    """The modules of the check's closure (``modules``: name -> file) that this process
+    (``loaded``: ``sys.modules`` by default) loaded from another file, as ``modified`` entries: a
+    control running in this process whose import path differs from the check's interpreter's (a
+    ``PYTHONPATH``, the current directory) runs code the check never read."""
+    loaded = sys.modules if loaded is None else loaded
+    out = []
+    for name, checked in sorted(modules.items()):
+        here = getattr(loaded.get(name), "__file__", None)
+        if isinstance(here, str) and os.path.isabs(here) and os.path.normpath(here) != checked:
+            out.append({"path": os.path.normpath(here), "reference": f"the file the check read for {name}",
+                        "expected": checked, "actual": os.path.normpath(here)})
+    return out
+
+
+def control_code_header(**kwargs) -> tuple[dict, list[dict], dict[str, str]]:
+    """For ``harness time``: the check's summary for the run header (``control_code``), its
+    findings (a non-empty ``control-code-modified`` list means the control's code changed) and the
+    closure's module files, for ``loaded_elsewhere`` once the control is imported here."""
     report = check_control_code(**kwargs)
-    return report.summary(), report.findings()
+    return report.summary(), report.findings(), report.modules

@@ -52,7 +52,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     log = log or (lambda message: click.echo(message, err=True))
     check_prompt_set(opts.prompts)
-    control_code = check_control_code(log)
+    control_code, checked_modules = check_control_code(log)
     clock = Clock.start()
     watch = Watch(settings, clock)
     control = get_decoder(opts.control)
@@ -75,6 +75,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     for role, dec in roles.items():
         grown = allocated_by(lambda d=dec: reserve_positions(d, positions), dev)
         resident[role] = None if grown is None else max(0, resident[role] + grown)
+    check_loaded_here(control_code, checked_modules, log)
     violations = watch.check("after prepare")
     warmups = {p.id: warmup_ids(opts.seed, i, len(p.token_ids), model.vocab_size, p.token_ids)
                for i, p in enumerate(prompts)}
@@ -93,16 +94,30 @@ def check_sampling(decoders: dict, sampler) -> None:
                             f"(no sampling = True), so it cannot decode with --sampling {sampler.describe()}")
 
 
-def check_control_code(log) -> dict:
+def check_control_code(log) -> tuple[dict, dict[str, str]]:
     """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
-    is imported; a changed file is named here, recorded in the header, and fails the audit."""
+    is imported; a changed file is named here, recorded in the header, and fails the audit.
+    Returns the header's summary and the closure's module files (``check_loaded_here``)."""
     from core.provenance import PROCESS_PYCACHE, control_code_header  # runs a fresh interpreter: only when a command runs
 
     # this process imports the control from the interpreter's own pycache: so does the closure
-    summary, findings = control_code_header(pycache=PROCESS_PYCACHE)
+    summary, findings, modules = control_code_header(pycache=PROCESS_PYCACHE)
     for f in findings:
         log(f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}")
-    return summary
+    return summary, modules
+
+
+def check_loaded_here(summary: dict, modules: dict[str, str], log) -> None:
+    """Once both decoders are prepared (the control's modules imported in this process): a module
+    of the checked closure that this process loaded from another file joins the header's
+    ``modified`` list, which fails the audit, since the control here did not run the checked code."""
+    from core.provenance import loaded_elsewhere
+
+    for m in loaded_elsewhere(modules):
+        log(f"WARNING: control-code-modified: {m['path']} is not the file the check read for it ({m['expected']}): "
+            "this process imports the control from elsewhere than the check's isolated interpreter "
+            "(a PYTHONPATH or the current directory)")
+        summary["modified"].append(m)
 
 
 def check_prompt_set(spec: str | None) -> None:

@@ -23,6 +23,35 @@ def test_an_unchanged_check_passes_and_a_missing_one_is_named():
     assert checks.check_control_code({"control_code": {**modified("x"), "modified": []}}) == []
     assert [f["severity"] for f in checks.check_control_code({})] == ["warn"]
     assert [f["severity"] for f in checks.check_control_code({"control_code": {"modified": "x"}})] == ["fail"]
+    unverified = {**modified("x"), "modified": [], "unverified": ["/y/decoders/serial.py"]}
+    (f,) = checks.check_control_code({"control_code": unverified})
+    assert (f["check"], f["severity"], f["paths"]) == ("control-code-unverified", "warn", ["/y/decoders/serial.py"])
+
+
+@pytest.fixture(scope="module")
+def control_from_elsewhere_stream(tmp_path_factory):
+    """A real harness run whose check's interpreter read the control from another place than the
+    harness process imports it from (stubbed: the check reports other files for its modules)."""
+    mp = pytest.MonkeyPatch()
+    from core import provenance
+
+    unchanged = {**modified("x"), "modified": []}
+    mp.setattr(provenance, "control_code_header",
+               lambda **kw: (unchanged, [], {"decoders.serial": "/elsewhere/decoders/serial.py"}))
+    try:
+        return run_harness(tmp_path_factory.mktemp("elsewhere") / "run", "fast-serial", limit=1, n=6, legs=1)
+    finally:
+        mp.undo()
+
+
+def test_a_control_imported_from_elsewhere_than_checked_fails(control_from_elsewhere_stream, tmp_path):
+    import decoders.serial
+
+    (m,) = read_records(control_from_elsewhere_stream)[0]["control_code"]["modified"]
+    assert (m["path"], m["expected"]) == (decoders.serial.__file__, "/elsewhere/decoders/serial.py")
+    result, doc = run_audit(control_from_elsewhere_stream, out=tmp_path / "audit.json")
+    assert result.exit_code == 1 and doc["verdict"] == "fail" and doc["exact"]
+    assert [f["path"] for f in doc["findings"] if f["check"] == "control-code-modified"] == [decoders.serial.__file__]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +61,7 @@ def changed_control_stream(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     from core import provenance
 
-    mp.setattr(provenance, "control_code_header", lambda **kw: (modified("/x/core/models.py"), []))
+    mp.setattr(provenance, "control_code_header", lambda **kw: (modified("/x/core/models.py"), [], {}))
     try:
         return run_harness(tmp_path_factory.mktemp("changed") / "run", "fast-serial", limit=1, n=6, legs=1)
     finally:

@@ -102,6 +102,49 @@ def test_startup_code_is_reported(tmp_path):
 def test_the_real_control_is_unchanged():
     """The checkout at HEAD and the installed torch and transformers: the closure of the real
     control, every file hashed (what the retime and the harness run)."""
-    summary, found = control_code_header()
+    summary, found, modules = control_code_header()
     assert summary["checked"] > 1000 and summary["reference"].startswith("git HEAD ")
     assert [f for f in found if f["check"] == "control-code-modified"] == [], summary["modified"]
+    assert summary["unverified"] == [] and "decoders.serial" in modules
+
+
+def test_the_work_tree_is_that_of_the_files_the_closure_loaded(tree, tmp_path_factory, monkeypatch):
+    """The anchor this process finds (here another git work tree, as a PYTHONPATH or the current
+    directory would give it) is not where the isolated interpreter loads the control from: the
+    files are checked against the work tree that holds them."""
+    other = tmp_path_factory.mktemp("other")
+    (other / "f").write_text("x")
+    git(other, "init", "-q")
+    git(other, "add", ".")
+    git(other, "commit", "-qm", "x")
+    monkeypatch.setattr(provenance, "CLOSURE", f"import sys; sys.path.insert(0, {str(tree)!r})\n" + provenance.CLOSURE)
+    report = check_control_code(("ctl.serial",), full_distributions=(), git_reference=str(other), records={})
+    assert report.ok and report.unverified == [] and report.checked == 3
+    assert report.summary()["reference"] == f"git HEAD {GitReference.find(str(tree)).head}"
+    assert report.modules["ctl.serial"] == str(tree / "ctl" / "serial.py")
+
+
+def test_files_no_reference_covers_are_a_warning_naming_them(tmp_path, monkeypatch):
+    pkg = tmp_path / "ctl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "serial.py").write_text("VALUE = 1\n")
+    monkeypatch.setattr(provenance, "GitReference", type("NoGit", (GitReference,), {"find": classmethod(lambda c, d: None)}))
+    monkeypatch.setattr(provenance, "CLOSURE", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + provenance.CLOSURE)
+    report = check_control_code(("ctl.serial",), full_distributions=(), records={})
+    assert report.ok and sorted(report.unverified) == [str(pkg / "__init__.py"), str(pkg / "serial.py")]
+    (f,) = [f for f in report.findings() if f["check"] == "control-code-unverified"]
+    assert f["severity"] == "warn" and "2 file(s)" in f["message"] and "not proven unchanged" in f["message"]
+    assert f["paths"] == report.unverified
+
+
+def test_a_module_loaded_here_from_another_file_is_named():
+    from types import SimpleNamespace
+
+    modules = {"ctl.serial": "/a/ctl/serial.py", "ctl.util": "/a/ctl/util.py", "gone": "/a/gone.py"}
+    here = {"ctl.serial": SimpleNamespace(__file__="/b/ctl/serial.py"), "ctl.util": SimpleNamespace(__file__="/a/ctl/util.py"),
+            "builtin": SimpleNamespace()}
+    (m,) = provenance.loaded_elsewhere(modules, here)
+    assert (m["path"], m["expected"], m["actual"]) == ("/b/ctl/serial.py", "/a/ctl/serial.py", "/b/ctl/serial.py")
+    assert "ctl.serial" in m["reference"]
+    assert provenance.loaded_elsewhere({"ctl.util": "/a/ctl/util.py"}, here) == []
