@@ -119,7 +119,8 @@ def test_the_work_tree_is_that_of_the_files_the_closure_loaded(tree, tmp_path_fa
     git(other, "commit", "-qm", "x")
     monkeypatch.setattr(provenance, "CLOSURE", f"import sys; sys.path.insert(0, {str(tree)!r})\n" + provenance.CLOSURE)
     report = check_control_code(("ctl.serial",), full_distributions=(), git_reference=str(other), records={})
-    assert report.ok and report.unverified == [] and report.checked == 3
+    # records={}: the interpreter's own site files (an editable install's finder) have no reference here
+    assert report.ok and [u for u in report.unverified if u.startswith(str(tree))] == [] and report.checked == 3
     assert report.summary()["reference"] == f"git HEAD {GitReference.find(str(tree)).head}"
     assert report.modules["ctl.serial"] == str(tree / "ctl" / "serial.py")
 
@@ -132,10 +133,11 @@ def test_files_no_reference_covers_are_a_warning_naming_them(tmp_path, monkeypat
     monkeypatch.setattr(provenance, "GitReference", type("NoGit", (GitReference,), {"find": classmethod(lambda c, d: None)}))
     monkeypatch.setattr(provenance, "CLOSURE", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + provenance.CLOSURE)
     report = check_control_code(("ctl.serial",), full_distributions=(), records={})
-    assert report.ok and sorted(report.unverified) == [str(pkg / "__init__.py"), str(pkg / "serial.py")]
+    ours = [u for u in report.unverified if u.startswith(str(tmp_path))]
+    assert report.ok and sorted(ours) == [str(pkg / "__init__.py"), str(pkg / "serial.py")]
     (f,) = [f for f in report.findings() if f["check"] == "control-code-unverified"]
-    assert f["severity"] == "warn" and "2 file(s)" in f["message"] and "not proven unchanged" in f["message"]
-    assert f["paths"] == report.unverified
+    assert f["severity"] == "warn" and f"{len(report.unverified)} file(s)" in f["message"]
+    assert "not proven unchanged" in f["message"] and f["paths"] == report.unverified
 
 
 def test_a_module_loaded_here_from_another_file_is_named():
