@@ -198,15 +198,20 @@ class Closure:
     worker, which then loads what the closure compiled instead of compiling it again);
     ``PROCESS_PYCACHE``, the interpreter's own ``__pycache__`` files (``harness time``, whose own
     process goes on to import the control from those same files, so a private one would guard
-    nothing its control does not already load)."""
+    nothing its control does not already load). ``sys_path``: the import path to resolve the
+    modules on (default: the isolated interpreter's own, as a ``python -I`` worker has it)."""
 
-    def __init__(self, modules, python: str = sys.executable, pycache: str | None = None):
+    def __init__(self, modules, python: str = sys.executable, pycache: str | None = None,
+                 sys_path: list[str] | None = None):
         self.cache = tempfile.TemporaryDirectory(prefix="qwen35-pycache-") if pycache is None else None
         prefix = self.cache.name if self.cache is not None else pycache
         # -I ignores PYTHONPYCACHEPREFIX: a private pycache is given with -X
         flags = [] if prefix == PROCESS_PYCACHE else ["-X", f"pycache_prefix={prefix}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        self.proc = subprocess.Popen([python, "-I", *flags, "-c", CLOSURE, *modules],
+        # sys_path: the import path of the process that runs the control, where it is not an
+        # isolated interpreter's (``harness time`` runs it in its own process)
+        script = CLOSURE if sys_path is None else f"import sys\nsys.path[:] = {list(sys_path)!r}\n{CLOSURE}"
+        self.proc = subprocess.Popen([python, "-I", *flags, "-c", script, *modules],
                                      env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
@@ -261,14 +266,15 @@ def python_files(root: str, packages: set[str], blobs: dict[str, str]) -> list[s
 
 def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_DISTRIBUTIONS,
                        python: str = sys.executable, git_reference=None, records=None,
-                       clock=time.perf_counter, pycache: str | None = None) -> ProvenanceReport:
+                       clock=time.perf_counter, pycache: str | None = None,
+                       sys_path: list[str] | None = None) -> ProvenanceReport:
     """Check the control's code (see the module docstring). ``git_reference`` (a ``GitReference``,
     or a directory to find one from; by default the work tree of the first control module's
     package) and ``records`` (``record_index()``'s map) are injectable; ``pycache`` is the
-    closure's (``Closure``)."""
+    closure's, and ``sys_path`` the import path it resolves the modules on (``Closure``)."""
     start = clock()
     git_reference_given = git_reference
-    closure = Closure(control_modules, python, pycache)
+    closure = Closure(control_modules, python, pycache, sys_path)
     report, done = ProvenanceReport(), set()
     try:
         records = record_index() if records is None else records
