@@ -18,9 +18,13 @@ a reference that a decoder running later cannot rewrite from inside the audit's 
                interpreter runs at startup, ``-I`` or not) are listed; a ``.pth`` a ``RECORD`` lists
                is checked like any other file, the others are reported (``unowned``).
 
-A loaded file that no reference covers (not the standard library's, not in a ``RECORD``, not
-tracked at ``HEAD``) is listed under ``unverified``; a changed or missing file under ``modified``,
-each a ``control-code-modified`` finding naming it.
+The work tree is the one holding the files the closure loaded (the first control module's),
+whatever this process's own import path would find. A loaded file that no reference covers (not
+the standard library's, not in a ``RECORD``, not tracked at ``HEAD``) is listed under
+``unverified`` (one ``control-code-unverified`` warning); a changed or missing file under
+``modified``, each a ``control-code-modified`` finding naming it. A control that runs in the
+checking process itself (``harness time``) has the closure resolve on that process's import path
+(``sys_path``), and ``loaded_elsewhere`` then compares the files it imported with those checked.
 
 Limits: the references live on the same machine. A process that can rewrite the checkout's
 ``.git`` (its objects and ``HEAD``) or a distribution's ``RECORD`` together with the files can make
