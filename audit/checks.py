@@ -195,12 +195,12 @@ def check_control_code(header: dict) -> list[dict]:
     out = [finding("control-code-modified", "fail", None,
                    f"the harness found {path!r} changed from its reference before timing: the control did "
                    "not run the code it names", path=path) for path in paths]
-    unverified = code.get("unverified")
-    if isinstance(unverified, list) and unverified:
+    unproven = code.get("unproven")
+    if isinstance(unproven, list) and unproven:
         out.append(finding("control-code-unverified", "warn", None,
-                           f"{len(unverified)} file(s) the control loaded are covered by no reference (git HEAD, "
-                           f"RECORD), so the harness could not prove them unchanged, e.g. {unverified[0]!r}",
-                           paths=unverified[:LISTED_LEGS]))
+                           f"{len(unproven)} file(s) of the control's own code are covered by no reference (git "
+                           f"HEAD, RECORD), so the harness could not prove them unchanged, e.g. {unproven[0]!r}",
+                           paths=unproven[:LISTED_LEGS]))
     return out
 
 

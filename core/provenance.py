@@ -21,7 +21,8 @@ a reference that a decoder running later cannot rewrite from inside the audit's 
 The work tree is the one holding the files the closure loaded (the first control module's),
 whatever this process's own import path would find. A loaded file that no reference covers (not
 the standard library's, not in a ``RECORD``, not tracked at ``HEAD``) is listed under
-``unverified`` (one ``control-code-unverified`` warning); a changed or missing file under
+``unverified``, and those of the control's own packages or of torch / transformers under
+``unproven`` as well (one ``control-code-unverified`` warning); a changed or missing file under
 ``modified``, each a ``control-code-modified`` finding naming it. A control that runs in the
 checking process itself (``harness time``) has the closure resolve on that process's import path
 (``sys_path``), and ``loaded_elsewhere`` then compares the files it imported with those checked.
@@ -74,6 +75,9 @@ class ProvenanceReport:
     startup: list[dict] = field(default_factory=list)  # path, kind, owner (a distribution or None)
     seconds: float = 0.0
     modules: dict[str, str] = field(default_factory=dict)  # the closure's module name -> file
+    # the unverified files of the control's own packages and of FULL_DISTRIBUTIONS' (a copy of the
+    # project outside any work tree, say): the code the control's result rests on, not proven
+    unproven: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -85,23 +89,26 @@ class ProvenanceReport:
         dists = len(self.references) - len(gits)
         reference = "; ".join(gits + ([f"RECORD of {dists} distributions"] if dists else []))
         return {"checked": self.checked, "reference": reference, "modified": self.modified,
-                "unverified": self.unverified, "startup": self.startup, "seconds": round(self.seconds, 3)}
+                "unverified": self.unverified, "unproven": self.unproven, "startup": self.startup,
+                "seconds": round(self.seconds, 3)}
 
     def findings(self) -> list[dict]:
         """``control-code-modified`` (fail) per changed file; ``control-code-unverified`` (warn) for
-        loaded files no reference covers; ``control-startup-code`` (warn) for startup code no
-        distribution owns. Shaped as the audit's findings."""
+        the ``unproven`` files; ``control-startup-code`` (warn) for startup code no distribution
+        owns. Shaped as the audit's findings. Other libraries' files no reference covers (a
+        virtualenv's own ``_virtualenv.py``, say) are listed in the summary only."""
         out = [{"check": "control-code-modified", "severity": "fail", "prompt_id": None,
                 "message": f"{m['path']} differs from its reference ({m['reference']}: expected {m['expected']}, "
                            f"found {m['actual']}): the control would not run the code it names", **m}
                for m in self.modified]
-        if self.unverified:
-            shown = ", ".join(self.unverified[:3]) + (f" and {len(self.unverified) - 3} more"
-                                                      if len(self.unverified) > 3 else "")
+        if self.unproven:
+            shown = ", ".join(self.unproven[:3]) + (f" and {len(self.unproven) - 3} more"
+                                                    if len(self.unproven) > 3 else "")
             out.append({"check": "control-code-unverified", "severity": "warn", "prompt_id": None,
-                        "message": f"{len(self.unverified)} file(s) the control loads are covered by no reference "
-                                   f"(not at git HEAD, not in a RECORD), so they are not proven unchanged: {shown}",
-                        "paths": self.unverified})
+                        "message": f"{len(self.unproven)} file(s) of the control's own packages or of "
+                                   f"{' / '.join(FULL_DISTRIBUTIONS)} are covered by no reference (not at git HEAD, "
+                                   f"not in a RECORD), so they are not proven unchanged: {shown}",
+                        "paths": self.unproven})
         unowned = [s["path"] for s in self.startup if s["owner"] is None]
         if unowned:
             out.append({"check": "control-startup-code", "severity": "warn", "prompt_id": None,
@@ -307,6 +314,9 @@ def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_
                     if p.startswith(git_reference.root + os.sep)}
         later |= set(python_files(git_reference.root, packages, git_reference.blobs))
     check_files(later, git_reference, records, report, done)
+    tops = {m.split(".")[0] for m in control_modules} | {n.lower() for n in full_distributions}
+    own = {f for name, f in modules.items() if name.split(".")[0].lower() in tops}
+    report.unproven = [p for p in report.unverified if p in own]
     report.seconds = clock() - start
     return report
 

@@ -23,9 +23,13 @@ def test_an_unchanged_check_passes_and_a_missing_one_is_named():
     assert checks.check_control_code({"control_code": {**modified("x"), "modified": []}}) == []
     assert [f["severity"] for f in checks.check_control_code({})] == ["warn"]
     assert [f["severity"] for f in checks.check_control_code({"control_code": {"modified": "x"}})] == ["fail"]
-    unverified = {**modified("x"), "modified": [], "unverified": ["/y/decoders/serial.py"]}
-    (f,) = checks.check_control_code({"control_code": unverified})
+    unproven = {**modified("x"), "modified": [], "unverified": ["/y/decoders/serial.py"],
+                "unproven": ["/y/decoders/serial.py"]}
+    (f,) = checks.check_control_code({"control_code": unproven})
     assert (f["check"], f["severity"], f["paths"]) == ("control-code-unverified", "warn", ["/y/decoders/serial.py"])
+    # another library's file no reference covers (virtualenv's own shim) is no finding
+    shim = {**modified("x"), "modified": [], "unverified": ["/venv/site-packages/_virtualenv.py"], "unproven": []}
+    assert checks.check_control_code({"control_code": shim}) == []
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_the_real_control_is_unchanged():
     summary, found, modules = control_code_header()
     assert summary["checked"] > 1000 and summary["reference"].startswith("git HEAD ")
     assert [f for f in found if f["check"] == "control-code-modified"] == [], summary["modified"]
-    assert summary["unverified"] == [] and "decoders.serial" in modules
+    assert summary["unproven"] == [] and "decoders.serial" in modules
 
 
 def test_the_work_tree_is_that_of_the_files_the_closure_loaded(tree, tmp_path_factory, monkeypatch):
@@ -125,19 +125,24 @@ def test_the_work_tree_is_that_of_the_files_the_closure_loaded(tree, tmp_path_fa
     assert report.modules["ctl.serial"] == str(tree / "ctl" / "serial.py")
 
 
-def test_files_no_reference_covers_are_a_warning_naming_them(tmp_path, monkeypatch):
+def test_the_controls_own_files_no_reference_covers_are_a_warning_naming_them(tmp_path, monkeypatch):
+    """The control's own package outside any work tree and RECORD: not proven, a warning naming
+    it. Another library no reference covers (a virtualenv's ``_virtualenv.py``, say) is listed
+    as unverified only."""
     pkg = tmp_path / "ctl"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "serial.py").write_text("VALUE = 1\n")
+    (pkg / "serial.py").write_text("import shim\nVALUE = 1\n")
+    (tmp_path / "shim.py").write_text("")
     monkeypatch.setattr(provenance, "GitReference", type("NoGit", (GitReference,), {"find": classmethod(lambda c, d: None)}))
     monkeypatch.setattr(provenance, "CLOSURE", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + provenance.CLOSURE)
     report = check_control_code(("ctl.serial",), full_distributions=(), records={})
-    ours = [u for u in report.unverified if u.startswith(str(tmp_path))]
-    assert report.ok and sorted(ours) == [str(pkg / "__init__.py"), str(pkg / "serial.py")]
+    ours = [str(pkg / "__init__.py"), str(pkg / "serial.py")]
+    assert report.ok and sorted(report.unproven) == ours and str(tmp_path / "shim.py") in report.unverified
     (f,) = [f for f in report.findings() if f["check"] == "control-code-unverified"]
-    assert f["severity"] == "warn" and f"{len(report.unverified)} file(s)" in f["message"]
-    assert "not proven unchanged" in f["message"] and f["paths"] == report.unverified
+    assert f["severity"] == "warn" and "2 file(s) of the control's own packages" in f["message"]
+    assert "not proven unchanged" in f["message"] and f["paths"] == report.unproven
+    assert report.summary()["unproven"] == report.unproven
 
 
 def test_a_module_loaded_here_from_another_file_is_named():

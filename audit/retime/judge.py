@@ -86,8 +86,8 @@ SCORE_RESTS_ON = {
     "candidate-not-sandboxed": "the candidate's worker ran outside a sandbox: it could read the audit's memory "
                                "(the secret seed), the auditor's files, or reach the control's worker",
     "control-code-unchecked": "the control's code was not proven unchanged against git HEAD or RECORD",
-    "control-code-unverified": "files the control's worker loads are covered by no reference (git HEAD, RECORD): "
-                               "its code is not proven unchanged",
+    "control-code-unverified": "files of the control's own code are covered by no reference (git HEAD, RECORD): "
+                               "it is not proven unchanged",
     "gpu-unmeasured": "the driver could not say which processes used the GPU, or how much memory each side held",
 }
 
