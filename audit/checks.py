@@ -6,6 +6,7 @@ are only compared against, never used.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -168,15 +169,24 @@ def check_model_identity(recorded: dict, replayed: dict) -> list[dict]:
                     mismatched=bad)]
 
 
+def is_serial_control(entry: dict) -> bool:
+    """The header's control is the built-in serial decoder: named so, and built from the registry's
+    ``serial`` with no arguments (a plug-in spec or arguments could build anything under that name)."""
+    return (entry.get("name") == "serial" and entry.get("spec") in (None, "serial")
+            and entry.get("args") in (None, {}))
+
+
 def check_reference(header: dict) -> list[dict]:
     """A run timed against another reference than serial (``harness time --control``): its
     exactness is still replayed against serial greedy decoding, but its ratio is not one against
     the control, so it is never scored."""
-    name = header["control"].get("name")
-    if name != "serial":
+    control = header["control"]
+    if not is_serial_control(control):
+        name = control.get("name")
+        built = f" built from {control.get('spec')!r} {json.dumps(control.get('args') or {})}" if name == "serial" else ""
         return [finding("reference", "warn", None,
-                        f"the reference decoder is {name!r}, not the serial control: ratios are against "
-                        f"{name!r}; audited for exactness, never scored")]
+                        f"the reference decoder is {name!r}{built}, not the built-in serial control: ratios are "
+                        f"against it; audited for exactness, never scored")]
     return []
 
 

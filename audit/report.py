@@ -92,7 +92,7 @@ def build_document(run, stream_sha256: str, findings: list[dict], replayed: dict
     low, high, coverage, how = interval([e["ratio"] for e in per_prompt.values() if e["ratio"] is not None])
     # a median the stream's own prompts cannot tell from 1 scores nothing, as in audit retime
     claimed_score = checks.score(median, f_mem, params["s_max"], params["kappa"],
-                                 failed or instrument or run.header["control"].get("name") != "serial"
+                                 failed or instrument or not checks.is_serial_control(run.header["control"])
                                  or not significant(low))
     consistent = not any(f["severity"] == "fail" and f["check"] in checks.CONSISTENCY_CHECKS for f in findings)
     return {

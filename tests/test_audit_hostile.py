@@ -284,3 +284,31 @@ def test_unstable_legs_warn_and_mark_the_run_without_changing_the_verdict(six_pr
     assert doc["score"] == pytest.approx(0.95 * (1 - math.exp(-(m - 1) / 2.0)))
     assert "WARNING: 6 of 6 prompts have unstable legs" in result.stdout and "the run is unstable" in result.stdout
     assert json.loads((stream.parent / "audit.json").read_text())["unstable"] is True
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("control", [
+    {"name": "serial", "spec": "importlib:import_module", "args": {"name": "slowctl"}},
+    {"name": "serial", "spec": "serial", "args": {"sleep": 1}},
+])
+def test_a_control_named_serial_but_built_otherwise_is_never_scored(six_prompts, tmp_path, control):
+    """A header may name its reference "serial" yet build it from a plug-in spec or with arguments
+    (the retime would then start that code as the control): not the built-in serial control, so
+    the run is audited, with a reference warning, and never scored."""
+    stream = copy_stream(six_prompts, tmp_path / "run")
+    edit(stream, lambda recs: (retime(recs, 1.0, {0: 0.5, 1: 0.5}), recs[0]["control"].update(control)))
+    result, doc = run_audit(stream)
+    (f,) = findings(doc, "reference", severity="warn")
+    assert "not the built-in serial control" in f["message"] and repr(control["spec"]) in f["message"]
+    assert doc["median_ratio"] == pytest.approx(2.0) and doc["score"] == 0.0
+
+
+def test_is_serial_control():
+    from audit.checks import is_serial_control
+
+    assert is_serial_control({"name": "serial"}) and is_serial_control({"name": "serial", "spec": "serial", "args": {}})
+    assert not is_serial_control({"name": "fast-serial"})
+    assert not is_serial_control({"name": "serial", "spec": "pkg.mod:Serial"})
+    assert not is_serial_control({"name": "serial", "args": {"x": 1}})

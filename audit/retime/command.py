@@ -249,7 +249,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     noisy = bool(claim) and too_noisy(provisional["ci_low"], provisional["ci_high"])
     findings += [noisy_finding(claim[0], provisional)] if noisy else claim
     failed = any(f["severity"] == "fail" for f in findings)
-    disqualified = failed or noisy or instrument or header["control"].get("name") != "serial"
+    disqualified = failed or noisy or instrument or not checks.is_serial_control(header["control"])
     memory = memory_figures(timed, gpu, ctx.opts.mem_allowance)
     verified = verified_figures(timed, disqualified, ctx.opts.s_max, ctx.opts.kappa, memory["f_mem"],
                                 withheld_reasons(findings, memory))
