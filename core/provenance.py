@@ -56,13 +56,24 @@ CLOSURE_TIMEOUT_S = 300
 # ``pycache=`` for a closure that loads the interpreter's own ``__pycache__`` files (see Closure)
 PROCESS_PYCACHE = "process"
 
-# run by the fresh interpreter: import the modules, print every loaded module's file by name
+# run by the fresh interpreter: import the modules, print every loaded module's file by name. A
+# module that hides its file (``del __file__``, as startup code found on the path may) is found
+# through its spec, else where the path finder finds its name
 CLOSURE = """
-import json, sys
+import importlib.machinery, json, sys
 for name in sys.argv[1:]:
     __import__(name)
-print(json.dumps({n: m.__file__ for n, m in list(sys.modules.items())
-                  if isinstance(getattr(m, "__file__", None), str)}))
+def origin(name, module):
+    where = getattr(module, "__file__", None)
+    if not isinstance(where, str):
+        where = getattr(getattr(module, "__spec__", None), "origin", None)
+    if not isinstance(where, str) and "." not in name and name not in sys.builtin_module_names:
+        try:
+            where = getattr(importlib.machinery.PathFinder.find_spec(name), "origin", None)
+        except (ImportError, ValueError):
+            where = None
+    return where if isinstance(where, str) else None
+print(json.dumps({n: f for n, m in list(sys.modules.items()) if (f := origin(n, m)) is not None}))
 """
 
 

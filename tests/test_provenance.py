@@ -155,3 +155,15 @@ def test_a_module_loaded_here_from_another_file_is_named():
     assert (m["path"], m["expected"], m["actual"]) == ("/b/ctl/serial.py", "/a/ctl/serial.py", "/b/ctl/serial.py")
     assert "ctl.serial" in m["reference"]
     assert provenance.loaded_elsewhere({"ctl.util": "/a/ctl/util.py"}, here) == []
+
+
+def test_modules_that_hide_their_file_are_still_checked(tree, monkeypatch):
+    """Untracked code that deletes its own ``__file__`` (and ``__spec__``), as planted startup
+    code may, is found through its spec or the path finder and named."""
+    (tree / "ctl" / "hidden.py").write_text("del __file__\n")
+    (tree / "shade.py").write_text("del __file__, __spec__\n")
+    (tree / "ctl" / "serial.py").write_text("from ctl import util, hidden\nimport shade\nVALUE = 1\n")
+    report = check(tree, monkeypatch)
+    paths = {m["path"]: m["actual"] for m in report.modified}
+    assert paths[str(tree / "ctl" / "hidden.py")] == "untracked file"
+    assert paths[str(tree / "shade.py")] == "untracked file"
