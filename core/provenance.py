@@ -311,14 +311,13 @@ def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_
     finally:
         modules = closure.files()
     report.modules = modules
-    loaded = list(modules.values())
+    loaded = set(modules.values())
     # the work tree is that of the files the closure loaded, which this process's import path
     # (a PYTHONPATH, the current directory) may not share
-    own = modules.get(control_modules[0]) if control_modules else None
-    if own is not None and (git_reference is None or not own.startswith(git_reference.root + os.sep)) \
-            and not isinstance(git_reference_given, GitReference):
-        found = GitReference.find(os.path.dirname(own))
-        git_reference = found if found is not None else git_reference
+    first_file = modules.get(control_modules[0]) if control_modules else None
+    if first_file is not None and not isinstance(git_reference_given, GitReference) \
+            and (git_reference is None or not first_file.startswith(git_reference.root + os.sep)):
+        git_reference = GitReference.find(os.path.dirname(first_file)) or git_reference
     later = set(loaded)
     if git_reference is not None:
         packages = {os.path.relpath(p, git_reference.root).split(os.sep)[0] for p in loaded
@@ -326,8 +325,8 @@ def check_control_code(control_modules=CONTROL_MODULES, full_distributions=FULL_
         later |= set(python_files(git_reference.root, packages, git_reference.blobs))
     check_files(later, git_reference, records, report, done)
     tops = {m.split(".")[0] for m in control_modules} | {n.lower() for n in full_distributions}
-    own = {f for name, f in modules.items() if name.split(".")[0].lower() in tops}
-    report.unproven = [p for p in report.unverified if p in own]
+    own_files = {f for name, f in modules.items() if name.split(".")[0].lower() in tops}
+    report.unproven = [p for p in report.unverified if p in own_files]
     report.seconds = clock() - start
     return report
 

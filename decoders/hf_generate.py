@@ -15,11 +15,11 @@ The length is transformers' own: ``max_new_tokens``, else ``max_length`` (counti
 else its default of 20 new tokens capped at the model's context. Anything greedy ``generate``
 would do differently (HF's sampling, beams, logits processors, scores, padded prompts, model
 inputs such as ``past_key_values``, another cache than the dynamic one, ``use_cache=False``) is
-refused with a ValueError, and so is an argument that
-neither this path nor ``generate`` knows (a typo), as ``generate`` refuses it; every mistake in
-the input reaches the caller as a ValueError. This project's seeded sampler comes as
-``sampler="qwen-thinking,seed=7"`` (a ``core.sampling.Sampler`` or its text), the tokens then
-serial sampling's with that sampler. docs/api.md describes it.
+refused with a ValueError, and so is an argument that neither this path nor ``generate`` knows (a
+typo), as ``generate`` refuses it; every mistake in the input reaches the caller as a ValueError.
+This project's seeded sampler comes as ``sampler="qwen-thinking,seed=7"`` (a
+``core.sampling.Sampler`` or its text), the tokens then serial sampling's with that sampler.
+docs/api.md describes it.
 """
 from __future__ import annotations
 
@@ -118,16 +118,12 @@ def _generate(model, inputs, generation_config, decoder, decoder_args, streamer,
 
 
 def check_plain(config) -> None:
-    for name, plain in PLAIN:
-        value = getattr(config, name, None)
-        if value not in plain:
-            raise ValueError(f"exact generate: {name}={value!r} is not supported (greedy decoding, "
-                             f"do_sample=False, only)")
-    for name, plain in CACHE:
-        value = getattr(config, name, None)
-        if value not in plain:
-            raise ValueError(f"exact generate: {name}={value!r} is not supported (the tokens are those of "
-                             "decoding with transformers' dynamic cache, the default)")
+    for table, why in ((PLAIN, "greedy decoding, do_sample=False, only"),
+                       (CACHE, "the tokens are those of decoding with transformers' dynamic cache, the default")):
+        for name, plain in table:
+            value = getattr(config, name, None)
+            if value not in plain:
+                raise ValueError(f"exact generate: {name}={value!r} is not supported ({why})")
     # a generation setting PLAIN does not name yet (a newer transformers) still shows in the mode
     from transformers.generation.configuration_utils import GenerationMode
 
