@@ -1,19 +1,21 @@
 """Replay workers on one device: ``audit replay --workers N`` and ``audit retime --workers N``.
 
 The eager serial path is host-bound: one process keeps a GPU mostly idle (about 19 tokens/s at
-the 9B shape). Here N processes share the device, each with its own model copy, CUDA context and
-pristine serial path (``audit.replay.PristineSerial``), each walking one prompt at a time. The
+the 9B shape). Here N processes share the device, each with its own CUDA context and pristine
+serial path (``audit.replay.PristineSerial``), each walking one prompt at a time. The
 parent hands the walks out in file order to whichever worker is free, and shows their ticks on
 its one progress bar. A walk's arithmetic is the lone replay's: the same calls, in a process
 pinned to the same configuration (``core.determinism``, checked against the parent's) with the
 same torch thread count, so every logit and result is the same; only the seconds differ.
 
-Memory: each worker loads its own copy of the model (N copies: the audit's own copy of the
-weights is dropped before the workers start). At the 9B shape a worker holds 18.3 GiB, so an
-H200's 140 GiB takes 7 workers; a worker out of device memory fails the replay with one line that
-says so (no traceback: the fix is fewer ``--workers``).
+Memory: the workers read the audit's own copy of the weights, sent to each as it starts (CUDA IPC
+handles on a GPU, shared memory on a CPU: nothing is copied) and never written; each holds only
+its context, activations and cache. A worker fingerprints the weights it was sent
+(``core.models.weights_fingerprint``) and is refused unless that equals the audit's identity. A
+worker out of device memory fails the replay with one line that says so (no traceback: the fix is
+fewer ``--workers``).
 
-A worker that fails, dies, or sends nothing for ``timeout_s`` while it loads or walks fails the
+A worker that fails, dies, or sends nothing for ``timeout_s`` while it starts or walks fails the
 replay (``DistError``, one line naming the worker and its prompt) before anything is written,
 and every other worker is killed. The workers are spawned (``multiprocessing``'s ``spawn``:
 CUDA cannot be forked) and import ``core`` and ``audit`` only.
@@ -21,7 +23,6 @@ CUDA cannot be forked) and import ``core`` and ``audit`` only.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import multiprocessing
 import sys
 import time
@@ -57,10 +58,8 @@ class PoolOptions:
 
 @dataclass(frozen=True)
 class WorkerSetup:
-    """What a worker is told once, at its start: the model to load, where, with how many threads."""
+    """What a worker is told once, at its start: how many torch threads it runs."""
 
-    model: str
-    device: str
     threads: int
 
 
@@ -85,8 +84,8 @@ class Relay:
 
 
 def serve(conn, index: int, setup: WorkerSetup) -> None:
-    """One worker's life (the spawned process's target): load the model, say so, then walk each
-    ``audit.replay.Walk`` the parent sends until it sends None."""
+    """One worker's life (the spawned process's target): take the audit's model, say so, then walk
+    each ``audit.replay.Walk`` the parent sends until it sends None."""
     try:
         from audit.pipeline import pin_replay_environment
 
@@ -94,12 +93,11 @@ def serve(conn, index: int, setup: WorkerSetup) -> None:
         import torch
 
         from core import determinism
-        from core.models import load_model
 
         from audit import replay
 
         torch.set_num_threads(setup.threads)
-        model = load_model(setup.model, setup.device)
+        model = take_model(conn)
         conn.send(("ready", model.identity, determinism.current()))
         stepper, eos, relay = replay.PristineSerial(model), set(model.eos_token_ids), Relay(conn)
         while (walk := conn.recv()) is not None:
@@ -116,6 +114,17 @@ def serve(conn, index: int, setup: WorkerSetup) -> None:
             conn.send(("error", error_text(exc)) if oom is None else ("error", oom, "out-of-memory"))
         except OSError:
             pass
+
+
+def take_model(conn):
+    """The audit's model as the parent sends it, its tensors the parent's own (shared, not copied),
+    with the weights fingerprint this process computes from them in its identity: the parent
+    refuses a worker whose weights are not the audit's."""
+    from core.models import weights_fingerprint
+
+    model = conn.recv()
+    model.identity = {**model.identity, "weights_fingerprint": weights_fingerprint(model.backbone, model.mtp)}
+    return model
 
 
 def out_of_memory(exc: BaseException) -> str | None:
@@ -144,13 +153,14 @@ class Worker:
 
 
 class WorkerPool:
-    """``opts.workers`` replay workers on ``device``, each loading ``model_spec``; ``walk`` is a
-    walker for ``audit.replay.replay_run`` and ``replay_shared``. A context manager: the workers
-    start (and load) on entry and are stopped on exit."""
+    """``opts.workers`` replay workers on ``model``'s device, each computing with ``model``'s own
+    weights (which the pool's owner keeps until it closes); ``walk`` is a walker for
+    ``audit.replay.replay_run`` and ``replay_shared``. A context manager: the workers start (and
+    take the model) on entry and are stopped on exit."""
 
-    def __init__(self, model_spec: str, device: str, identity: dict, opts: PoolOptions, log=None):
-        self.setup = WorkerSetup(model_spec, str(device), threads())
-        self.identity, self.opts, self.log = identity, opts, log
+    def __init__(self, model, opts: PoolOptions, log=None):
+        self.model, self.setup = model, WorkerSetup(threads())
+        self.identity, self.opts, self.log = model.identity, opts, log
         self.workers: list[Worker] = []
 
     def __enter__(self):
@@ -177,15 +187,20 @@ class WorkerPool:
         ctx = multiprocessing.get_context("spawn")
         t0 = time.monotonic()
         if self.log:
-            self.log(f"starting {self.opts.workers} replay workers on {self.setup.device}, each loading its own "
-                     f"copy of {self.setup.model} ...")
+            self.log(f"starting {self.opts.workers} replay workers on {self.model.device}, sharing this "
+                     f"process's copy of {self.model.name}'s weights ...")
         for index in range(self.opts.workers):
             parent_end, child_end = ctx.Pipe()
             process = ctx.Process(target=serve, args=(child_end, index, self.setup), daemon=True,
                                   name=f"audit-replay-worker-{index}")
             process.start()
             child_end.close()
-            self.workers.append(Worker(index, process, parent_end, "loading the model", time.monotonic()))
+            self.workers.append(Worker(index, process, parent_end, "taking the model", time.monotonic()))
+        for w in self.workers:  # once all have started: a send waits until its worker has imported torch
+            try:
+                w.conn.send(self.model)  # its tensors go as handles to this process's own memory
+            except OSError:
+                raise self.died(w) from None
         mine = determinism.current()
         while any(w.at is not None for w in self.workers):
             for w, message in self.poll():
@@ -273,8 +288,8 @@ class WorkerPool:
                     pass  # its end is closed: what it sent is in, and its sentinel says it is gone
             errors = [m for m in got if m[0] == "error"]
             if errors and errors[0][2:] == ("out-of-memory",):
-                raise self.failure(w, f"{errors[0][1]}: each of the {len(self.workers)} workers holds its own copy "
-                                      f"of {self.setup.model} on {self.setup.device}; use fewer --workers")
+                raise self.failure(w, f"{errors[0][1]}: each of the {len(self.workers)} workers holds its own "
+                                      f"activations and cache on {self.model.device}; use fewer --workers")
             if errors:
                 raise self.failure(w, errors[0][1])
             if got:
@@ -311,30 +326,14 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def drop_weights(model) -> None:
-    """The audit's own copy of the weights moved to the meta device (its identity stays), so that
-    N workers hold N copies of the model on the device, not N + 1."""
-    import torch
-
-    for module in (model.backbone, model.mtp):
-        if module is not None:
-            module.to("meta")
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 @contextmanager
-def replay_walker(model, model_spec: str, device: str, opts: PoolOptions, log=None):
+def replay_walker(model, opts: PoolOptions, log=None):
     """Where a replay's walks run: in this process on ``model`` for one worker; else on a pool of
-    ``opts.workers`` processes on ``device``, each loading ``model_spec`` (``model``'s weights are
-    dropped first, so it serves for its identity only afterwards)."""
+    ``opts.workers`` processes on ``model``'s device, sharing its weights."""
     from audit.replay import walk_here
 
     if opts.workers <= 1:
         yield walk_here(model)
         return
-    identity = model.identity
-    drop_weights(model)
-    with WorkerPool(model_spec, device, identity, opts, log) as pool:
+    with WorkerPool(model, opts, log) as pool:
         yield pool.walk

@@ -96,7 +96,7 @@ def audit_stream(opts: ReplayOptions) -> int:
     if not model_findings:  # replaying with another model would only report noise
         log(f"replaying {sum(len(p.legs) for p in run.prompts)} legs of {len(run.prompts)} prompts "
             f"on {replay_dev['name']} ...")
-        with replay_walker(model, opts.model or model_spec_from_header(run.header), dev, pool, log) as walker, \
+        with replay_walker(model, pool, log) as walker, \
                 Progress(planned_positions([run]), "replay", log) as bar:
             replayed, tokens, seconds = replay_run(walker, run, bar.log, bar=bar)
         findings += divergence_findings(run, replayed)
@@ -156,7 +156,7 @@ def audit_streams(opts: ReplayOptions) -> int:
         member_runs = [jobs[i].run for i in members]
         pool = opts.pool.for_walks(planned_walks(member_runs, shared=True), log)
         workers.update((i, pool.workers) for i in members)
-        with replay_walker(model, key[0], key[1], pool, log) as walker, \
+        with replay_walker(model, pool, log) as walker, \
                 Progress(planned_positions(member_runs, shared=True), "replay", log) as bar:
             for i, result in zip(members, replay_shared(walker, member_runs, bar.log, bar)):
                 replays[i] = result

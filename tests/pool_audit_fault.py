@@ -6,9 +6,9 @@ are spawned, and a spawned process runs this script's top level too (as ``__mp_m
 
   raise  a RuntimeError
   hang   it never returns; the parent takes a walking worker as hung after HANG_LIMIT_S without
-         a message (a worker that loads its model keeps --dist-timeout: a slow start is no hang)
+         a message (a worker that takes its model keeps --dist-timeout: a slow start is no hang)
   die    the worker exits at once with exit code 3, without a word
-  oom    the second worker runs out of device memory while it loads the model (torch's error)
+  oom    the second worker runs out of device memory while it takes the model (torch's error)
 """
 import os
 import threading
@@ -36,19 +36,17 @@ replay.walk_one = walk_one
 if FAULT == "oom":
     import multiprocessing
 
-    import core.models as models
+    real_take_model = pool.take_model
 
-    real_load_model = models.load_model
-
-    def load_model(*args, **kwargs):
+    def take_model(conn):
         if multiprocessing.current_process().name.endswith("-1"):
             import torch
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total "
                                          "capacity of 139.80 GiB of which 32.50 MiB is free.")
-        return real_load_model(*args, **kwargs)
+        return real_take_model(conn)
 
-    models.load_model = load_model
+    pool.take_model = take_model
 if FAULT == "hang":
     pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if isinstance(w.at, tuple) else self.opts.timeout_s
 

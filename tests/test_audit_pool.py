@@ -113,7 +113,7 @@ def test_pool_walks_equal_this_process_walks_to_the_last_logit(diverging_stream)
     run = load_run(diverging_stream)
     model = load_model("tiny", "cpu")
     alone, tokens, _ = replay_run(walk_here(model), run)
-    with WorkerPool("tiny", "cpu", model.identity, PoolOptions(workers=2)) as pool:
+    with WorkerPool(model, PoolOptions(workers=2)) as pool:
         pooled, pooled_tokens, _ = replay_run(pool.walk, run)
     assert list(pooled) == list(alone) == [p.id for p in run.prompts]  # file order, however they finished
     assert pooled == alone and pooled_tokens == tokens
@@ -166,8 +166,8 @@ def error_lines(proc) -> list[str]:
               "nothing was written"),
     ("hang", "error: replay worker 1 made no progress for 2 s on prompt 'prose-letter': it hung; nothing was written"),
     ("die", "error: replay worker 1 exited (exit code 3) on prompt 'prose-letter'; nothing was written"),
-    ("oom", "error: replay worker 1 failed while loading the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
-            "each of the 2 workers holds its own copy of tiny on cpu; use fewer --workers; nothing was written"),
+    ("oom", "error: replay worker 1 failed while taking the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
+            "each of the 2 workers holds its own activations and cache on cpu; use fewer --workers; nothing was written"),
 ], ids=["raise", "hang", "die", "oom"])
 def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_path, fault, line):
     proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault)
@@ -197,7 +197,7 @@ def test_workers_on_one_gpu_equal_the_lone_replay_bit_for_bit(diverging_stream, 
     run = load_run(diverging_stream)
     model = load_model("tiny", "cuda")
     alone, _, _ = replay_run(walk_here(model), run)
-    with WorkerPool("tiny", "cuda", model.identity, PoolOptions(workers=2)) as pool:
+    with WorkerPool(model, PoolOptions(workers=2)) as pool:
         pooled, _, _ = replay_run(pool.walk, run)
     assert pooled == alone
 

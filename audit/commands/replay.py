@@ -30,9 +30,10 @@ from audit.commands.common import check_device_option, run_command
 @click.option("--mem-allowance", type=FiniteFloat(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory allowed before the score is cut: f_mem = min(1, allowance / ratio).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
-              help="Replay N prompts at once in N worker processes on the one device, each with its own copy "
-                   "of the model (N times its memory: about 19 GB a worker at the 9B shape) and its own "
-                   "pristine serial path. Results are a lone replay's, bit for bit. 1: in this process.")
+              help="Replay N prompts at once in N worker processes on the one device, each with its own "
+                   "pristine serial path, all reading this process's one copy of the weights (a worker adds "
+                   "only its context, activations and cache). Results are a lone replay's, bit for bit. "
+                   "1: in this process.")
 @click.option("--dist-timeout", type=FiniteFloat(min=0, min_open=True), default=1800, show_default=True,
               metavar="SECONDS",
               help="Under torchrun, or with --workers above 1: a rank or worker that shows no progress for "
@@ -65,8 +66,8 @@ def replay_cmd(streams, model_spec, out_path, device, allow_device_mismatch, s_m
     benchmark costs one replay instead of K. Every file is read and checked for bad input before
     anything is replayed or written.
 
-    One device, several prompts at once (`--workers N`): N worker processes share the device, each
-    loading its own copy of the model and walking one prompt at a time; audit.json is the one a
+    One device, several prompts at once (`--workers N`): N worker processes share the device and
+    the audit's copy of the weights, each walking one prompt at a time; audit.json is the one a
     lone replay writes apart from the replay's timing and its workers. A worker that fails or hangs
     fails the audit (exit 2) naming the worker and prompt; nothing is written.
     """

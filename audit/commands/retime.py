@@ -51,8 +51,9 @@ from audit.commands.common import run_command
               help="Candidate/control peak memory, measured outside each worker, allowed before the verified score "
                    "is cut: f_mem = min(1, allowance / ratio) (as audit replay's).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
-              help="Replay the retimed legs N prompts at once, in N processes on the one device, each with its "
-                   "own copy of the model (as audit replay --workers). 1: in the audit's own process.")
+              help="Replay the retimed legs N prompts at once, in N processes on the one device, all reading "
+                   "the audit's one copy of the weights (as audit replay --workers). 1: in the audit's own "
+                   "process.")
 def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
                allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, mem_allowance, workers):
     """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:

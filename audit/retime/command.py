@@ -236,7 +236,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
     pool = PoolOptions(workers=ctx.opts.workers).for_walks(planned_walks([fresh_run]), log)
-    with replay_walker(model, ctx.model_spec, ctx.device, pool, log) as walker:
+    with replay_walker(model, pool, log) as walker:
         replayed, _, _ = replay_run(walker, fresh_run, log)
     findings += divergence_findings(fresh_run, replayed)
     for p in timed:
