@@ -207,8 +207,8 @@ class WorkerPool:
                 if message[0] != "ready":
                     self.unexpected(w, message)
                 elif message[1] != self.identity:
-                    raise self.failure(w, f"loaded another model than the audit's (identity {message[1]} vs "
-                                          f"{self.identity})")
+                    raise self.failure(w, f"computes with other weights than the audit's (identity "
+                                          f"{changed(message[1], self.identity)})")
                 elif message[2] != mine:
                     raise self.failure(w, f"runs in another configuration than the audit's "
                                           f"({'; '.join(determinism.differences(message[2], mine))})")
@@ -316,6 +316,12 @@ class WorkerPool:
 
     def unexpected(self, w: Worker, message: tuple) -> None:
         raise self.failure(w, f"sent {message[0]!r} out of turn")
+
+
+def changed(theirs: dict, mine: dict) -> str:
+    """The identity fields on which a worker's differs from the audit's, as 'key: theirs vs mine'."""
+    keys = sorted(set(theirs) | set(mine), key=str)
+    return "; ".join(f"{k}: {theirs.get(k)} vs {mine.get(k)}" for k in keys if theirs.get(k) != mine.get(k))
 
 
 def threads() -> int:

@@ -9,6 +9,7 @@ are spawned, and a spawned process runs this script's top level too (as ``__mp_m
          a message (a worker that takes its model keeps --dist-timeout: a slow start is no hang)
   die    the worker exits at once with exit code 3, without a word
   oom    the second worker runs out of device memory while it takes the model (torch's error)
+  weights  the second worker computes with a changed copy of one weight (its own, not the shared one)
 """
 import os
 import threading
@@ -44,6 +45,29 @@ if FAULT == "oom":
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total "
                                          "capacity of 139.80 GiB of which 32.50 MiB is free.")
+        return real_take_model(conn)
+
+    pool.take_model = take_model
+if FAULT == "weights":
+    import multiprocessing
+
+    real_take_model = pool.take_model
+
+    class OtherWeights:
+        """The pipe's end, handing over the model with the final norm's weight replaced by a changed copy."""
+
+        def __init__(self, conn):
+            self.conn = conn
+
+        def recv(self):
+            model = self.conn.recv()
+            norm = model.backbone.model.norm
+            norm.weight = type(norm.weight)(norm.weight.detach().clone().add_(1), requires_grad=False)
+            return model
+
+    def take_model(conn):
+        if multiprocessing.current_process().name.endswith("-1"):
+            return real_take_model(OtherWeights(conn))
         return real_take_model(conn)
 
     pool.take_model = take_model

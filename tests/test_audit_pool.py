@@ -121,6 +121,27 @@ def test_pool_walks_equal_this_process_walks_to_the_last_logit(diverging_stream)
     assert any(v is not None for v in logits)
 
 
+def test_workers_read_the_audits_own_weights_not_copies(exact_stream):
+    """On the CPU the weights the workers were sent live in shared memory afterwards: the parent's own
+    tensors, moved there once, not a copy per worker; the model still serves the audit after the pool."""
+    from audit.pool import PoolOptions, WorkerPool
+    from audit.replay import replay_run, walk_here
+    from audit.stream import load_run
+    from core.models import load_model, weights_fingerprint
+
+    run = load_run(exact_stream)
+    model = load_model("tiny", "cpu")
+    before = {name: t.data_ptr() for name, t in model.backbone.state_dict().items()}
+    assert not any(t.is_shared() for t in model.backbone.state_dict().values())
+    with WorkerPool(model, PoolOptions(workers=2)) as pool:
+        tensors = [*model.backbone.state_dict().values(), *model.mtp.state_dict().values()]
+        assert all(t.is_shared() for t in tensors)
+        pooled, _, _ = replay_run(pool.walk, run)
+    assert weights_fingerprint(model.backbone, model.mtp) == model.identity["weights_fingerprint"]
+    assert replay_run(walk_here(model), run)[0] == pooled
+    assert {name: t.data_ptr() for name, t in model.backbone.state_dict().items()}.keys() == before.keys()
+
+
 def test_several_streams_on_workers_write_their_lone_audits(exact_stream, diverging_stream, tmp_path):
     from audit.cli import main as audit_main
 
@@ -168,11 +189,17 @@ def error_lines(proc) -> list[str]:
     ("die", "error: replay worker 1 exited (exit code 3) on prompt 'prose-letter'; nothing was written"),
     ("oom", "error: replay worker 1 failed while taking the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
             "each of the 2 workers holds its own activations and cache on cpu; use fewer --workers; nothing was written"),
-], ids=["raise", "hang", "die", "oom"])
+    ("weights", "error: replay worker 1 failed while taking the model: computes with other weights than the audit's "
+                "(identity weights_fingerprint: "),
+], ids=["raise", "hang", "die", "oom", "weights"])
 def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_path, fault, line):
     proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault)
     assert proc.returncode == 2, proc.stderr
-    assert error_lines(proc) == [line], proc.stderr
+    if fault == "weights":  # the fingerprints themselves follow
+        assert len(error_lines(proc)) == 1 and error_lines(proc)[0].startswith(line), proc.stderr
+        assert error_lines(proc)[0].endswith("; nothing was written") and "config_sha256" not in proc.stderr
+    else:
+        assert error_lines(proc) == [line], proc.stderr
     assert "Traceback" not in proc.stderr.replace("[worker 1] Traceback", "")  # only the worker's own
     if fault == "oom":  # not a bug: no traceback at all
         assert "Traceback" not in proc.stderr
