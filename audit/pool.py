@@ -182,8 +182,13 @@ class WorkerPool:
     # ------------------------------------------------------------------ start and stop
 
     def start(self) -> None:
+        import torch.multiprocessing
+
         from core import determinism
 
+        # CPU tensors travel as named shared-memory files, not as descriptors handed over by a
+        # listener thread, which prints a traceback when a worker is killed mid-handover
+        torch.multiprocessing.set_sharing_strategy("file_system")
         ctx = multiprocessing.get_context("spawn")
         t0 = time.monotonic()
         if self.log:
