@@ -193,7 +193,7 @@ def error_lines(proc) -> list[str]:
                 "(identity weights_fingerprint: "),
 ], ids=["raise", "hang", "die", "oom", "weights"])
 def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_path, fault, line):
-    proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault); open("/tmp/fault-stderr.txt", "w").write(proc.stderr)
+    proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault)
     assert proc.returncode == 2, proc.stderr
     if fault == "weights":  # the fingerprints themselves follow
         assert len(error_lines(proc)) == 1 and error_lines(proc)[0].startswith(line), proc.stderr
