@@ -58,11 +58,11 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               every answer (tests/retime_decoders.py LeavesGpuWork) on `tiny`, 6 fresh prompts
   replay-throughput
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
-              7 prompts x 96 tokens) at --workers 1, 2, 4 and 7 on the one GPU (7: one prompt each,
-              and the most 9B workers an H200's memory holds; a smaller GPU stops at its own most,
-              3 on an 80 GB H100), and, where nvidia-cuda-mps-control exists, the most again under an
-              MPS daemon of the set's own: tokens/s per setting, and whether the audit.json documents
-              agree (bench/replay_table.py)
+              8 prompts x 96 tokens) at --workers 1, 2, 4 and 8 on the one GPU (8: one prompt each;
+              the workers share the audit's one copy of the weights, and a GPU too small for 8
+              stops at its own most), and, where nvidia-cuda-mps-control exists, the most again under an MPS daemon
+              of the set's own: tokens/s per setting, and whether the audit.json documents agree
+              (bench/replay_table.py)
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
               audit replay, audit retime) beside a steady CPU hog (4 at once); two tables
@@ -193,13 +193,13 @@ def retime_steps(out: Path, configs: list[str]) -> list[Step]:
     return steps
 
 
-# replay throughput: one stream, audited at each worker count; 7 prompts, one for each of the 7
-# workers an H200 holds at the 9B shape
-REPLAY_WORKERS = (1, 2, 4, 7)
-REPLAY_PROMPTS = 7
-# GPU memory one 9B replay worker needs: the 18.3 GiB it holds, plus its context and the load's
-# transient peaks (a fourth worker does not fit on an 80 GB H100: bench/NOTES.md)
-REPLAY_WORKER_GIB = 20.0
+# replay throughput: one stream, audited at each worker count, the most with one prompt each
+REPLAY_WORKERS = (1, 2, 4, 8)
+REPLAY_PROMPTS = 8  # all of random-512
+# GPU memory of the audit's one copy of the 9B weights, and what each worker adds beside it (its
+# CUDA context, activations and cache), both rounded up
+REPLAY_WEIGHTS_GIB = 20.0
+REPLAY_WORKER_GIB = 2.0
 
 
 def gpu_memory_gib() -> float | None:
@@ -218,7 +218,7 @@ def replay_workers(most: int, memory_gib: float | None) -> int:
     """At most ``most`` 9B replay workers, and no more than the GPU's memory holds (at least one)."""
     if memory_gib is None:
         return most
-    return max(1, min(most, int(memory_gib // REPLAY_WORKER_GIB)))
+    return max(1, min(most, int((memory_gib - REPLAY_WEIGHTS_GIB) // REPLAY_WORKER_GIB)))
 
 
 def replay_throughput_steps(out: Path, memory_gib: float | None) -> list[Step]:
