@@ -196,10 +196,11 @@ def retime_steps(out: Path, configs: list[str]) -> list[Step]:
 # replay throughput: one stream, audited at each worker count, the most with one prompt each
 REPLAY_WORKERS = (1, 2, 4, 8)
 REPLAY_PROMPTS = 8  # all of random-512
-# GPU memory of the audit's one copy of the 9B weights, and what each worker adds beside it (its
-# CUDA context, activations and cache), both rounded up
-REPLAY_WEIGHTS_GIB = 20.0
-REPLAY_WORKER_GIB = 2.0
+# GPU memory of the audit's own process with the one copy of the 9B weights (21.3 GiB), and what
+# each worker adds beside it (3.2 GiB: its CUDA context, activations and cache), both rounded up
+# (nvidia-smi on an H100, bench/NOTES.md session 30)
+REPLAY_WEIGHTS_GIB = 22.0
+REPLAY_WORKER_GIB = 3.5
 
 
 def gpu_memory_gib() -> float | None:

@@ -51,7 +51,7 @@ def test_a_missing_trace_is_one_error_line(spec_bench, tmp_path, capsys, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("most,memory,fit", [(4, 79.6, 4), (8, 79.6, 8), (8, 140.4, 8), (8, 26.0, 3),
+@pytest.mark.parametrize("most,memory,fit", [(4, 79.6, 4), (8, 79.6, 8), (8, 140.4, 8), (8, 33.0, 3),
                                               (4, None, 4), (4, 12.0, 1)])
 def test_replay_workers_fit_the_gpu_memory(run, most, memory, fit):
     assert run.replay_workers(most, memory) == fit
@@ -59,7 +59,7 @@ def test_replay_workers_fit_the_gpu_memory(run, most, memory, fit):
 
 def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
     keys = lambda memory: [s.key for s in run.replay_throughput_steps(tmp_path, memory)]  # noqa: E731
-    assert keys(26.0) == ["time", "audit-w1", "audit-w2", "audit-w3", "table"]
+    assert keys(33.0) == ["time", "audit-w1", "audit-w2", "audit-w3", "table"]
     assert keys(79.6) == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w8", "table"]
     assert keys(None) == keys(140.4) == keys(79.6)
 
@@ -100,7 +100,7 @@ def test_replay_throughput_runs_the_most_workers_again_under_mps_only_where_the_
     keys = [s.key for s in run.replay_throughput_steps(tmp_path, 140.0)]
     assert keys == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w8", "table"]
     monkeypatch.setattr(run.shutil, "which", lambda name: "/usr/bin/" + name)
-    steps = run.replay_throughput_steps(tmp_path, 26.0)  # room for three workers beside the weights
+    steps = run.replay_throughput_steps(tmp_path, 33.0)  # room for three workers beside the weights
     assert [s.key for s in steps] == ["time", "audit-w1", "audit-w2", "audit-w3", "audit-mps-w3", "table"]
     script = steps[-2].argv[-1]
     assert "nvidia-cuda-mps-control -d" in script and "echo quit | nvidia-cuda-mps-control" in script
