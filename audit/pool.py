@@ -25,12 +25,14 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import sys
+import threading
 import time
 import traceback
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 from core.errors import DistError
 
@@ -201,11 +203,13 @@ class WorkerPool:
             process.start()
             child_end.close()
             self.workers.append(Worker(index, process, parent_end, "taking the model", time.monotonic()))
-        for w in self.workers:  # once all have started: a send waits until its worker has imported torch
-            try:
-                w.conn.send(self.model)  # its tensors go as handles to this process's own memory
-            except OSError:
-                raise self.died(w) from None
+        for w in self.workers:
+            # pickled here, one payload per worker (its tensors as handles to this process's own
+            # memory), written by a thread: a write waits until the worker has imported torch and
+            # reads, and meanwhile this thread watches for a worker that dies or hangs first
+            payload = bytes(ForkingPickler.dumps(self.model))
+            threading.Thread(target=hand_over, args=(w.conn, payload), daemon=True,
+                             name=f"audit-replay-model-to-{w.index}").start()
         mine = determinism.current()
         while any(w.at is not None for w in self.workers):
             for w, message in self.poll():
@@ -321,6 +325,15 @@ class WorkerPool:
 
     def unexpected(self, w: Worker, message: tuple) -> None:
         raise self.failure(w, f"sent {message[0]!r} out of turn")
+
+
+def hand_over(conn, payload: bytes) -> None:
+    """Write a pickled model to a worker's pipe (a thread's target). A worker that is gone leaves
+    the write unfinished; the pool's poll reports it."""
+    try:
+        conn.send_bytes(payload)
+    except OSError:
+        pass
 
 
 def changed(theirs: dict, mine: dict) -> str:

@@ -10,6 +10,7 @@ are spawned, and a spawned process runs this script's top level too (as ``__mp_m
   die    the worker exits at once with exit code 3, without a word
   oom    the second worker runs out of device memory while it takes the model (torch's error)
   weights  the second worker computes with a changed copy of one weight (its own, not the shared one)
+  hang-start  the second worker never reads the model the parent sends it (HANG_LIMIT_S as well)
 """
 import os
 import threading
@@ -71,6 +72,18 @@ if FAULT == "weights":
         return real_take_model(conn)
 
     pool.take_model = take_model
+if FAULT == "hang-start":
+    import multiprocessing
+
+    real_take_model = pool.take_model
+
+    def take_model(conn):
+        if multiprocessing.current_process().name.endswith("-1"):
+            threading.Event().wait()
+        return real_take_model(conn)
+
+    pool.take_model = take_model
+    pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S
 if FAULT == "hang":
     pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if isinstance(w.at, tuple) else self.opts.timeout_s
 

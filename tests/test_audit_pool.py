@@ -187,11 +187,13 @@ def error_lines(proc) -> list[str]:
               "nothing was written"),
     ("hang", "error: replay worker 1 made no progress for 2 s on prompt 'prose-letter': it hung; nothing was written"),
     ("die", "error: replay worker 1 exited (exit code 3) on prompt 'prose-letter'; nothing was written"),
+    ("hang-start", "error: replay worker 1 made no progress for 2 s while taking the model: it hung; "
+                   "nothing was written"),
     ("oom", "error: replay worker 1 failed while taking the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
             "each of the 2 workers holds its own activations and cache on cpu; use fewer --workers; nothing was written"),
     ("weights", "error: replay worker 1 failed while taking the model: computes with other weights than the audit's "
                 "(identity weights_fingerprint: "),
-], ids=["raise", "hang", "die", "oom", "weights"])
+], ids=["raise", "hang", "die", "hang-start", "oom", "weights"])
 def test_a_failing_worker_fails_the_audit_and_writes_nothing(exact_stream, tmp_path, fault, line):
     proc = faulty_audit(exact_stream, tmp_path / "audit.json", fault)
     assert proc.returncode == 2, proc.stderr
