@@ -10,7 +10,7 @@ are spawned, and a spawned process runs this script's top level too (as ``__mp_m
   die    the worker exits at once with exit code 3, without a word
   oom    the second worker runs out of device memory while it takes the model (torch's error)
   weights  the second worker computes with a changed copy of one weight (its own, not the shared one)
-  hang-start  the second worker never reads the model the parent sends it (HANG_LIMIT_S as well)
+  hang-start  the second worker never reads the model the parent sends it (HANG_LIMIT_S for it alone)
 """
 import os
 import threading
@@ -83,7 +83,7 @@ if FAULT == "hang-start":
         return real_take_model(conn)
 
     pool.take_model = take_model
-    pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S
+    pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if w.index == 1 else self.opts.timeout_s
 if FAULT == "hang":
     pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if isinstance(w.at, tuple) else self.opts.timeout_s
 
