@@ -10,7 +10,8 @@ are spawned, and a spawned process runs this script's top level too (as ``__mp_m
   die    the worker exits at once with exit code 3, without a word
   oom    the second worker runs out of device memory while it takes the model (torch's error)
   weights  the second worker computes with a changed copy of one weight (its own, not the shared one)
-  hang-start  the second worker never reads the model the parent sends it (HANG_LIMIT_S for it alone)
+  hang-start  the second worker never reads the model the parent sends it, a payload larger than
+              a pipe holds (HANG_LIMIT_S for it alone)
 """
 import os
 import threading
@@ -84,6 +85,14 @@ if FAULT == "hang-start":
 
     pool.take_model = take_model
     pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if w.index == 1 else self.opts.timeout_s
+    real_init = pool.WorkerPool.__init__
+
+    def padded_init(self, model, *args, **kwargs):
+        # a payload larger than a pipe holds: writing it to the hung worker never finishes
+        model.extra["padding"] = bytes(16 << 20)
+        real_init(self, model, *args, **kwargs)
+
+    pool.WorkerPool.__init__ = padded_init
 if FAULT == "hang":
     pool.WorkerPool.stall_limit = lambda self, w: HANG_LIMIT_S if isinstance(w.at, tuple) else self.opts.timeout_s
 
