@@ -199,8 +199,9 @@ def check_writable(out_path: Path) -> None:
 
 def replay_info(devices: list[dict], tokens: int, seconds: float, workers: int = 1) -> dict:
     """audit.json ``replay``: how the tokens were replayed, and where (one entry per rank; ``workers``
-    processes on each rank's device, ``audit.pool``). ``ms_per_token`` is the wall time over every
-    token replayed, so with several workers it is the pool's throughput, not one walk's pace."""
+    processes on each rank's device, ``audit.pool``: 1 is the audit's own process, 0 no replay).
+    ``ms_per_token`` is the wall time over every token replayed, so with several workers it is the
+    pool's throughput, not one walk's pace; the workers' start is not in it."""
     return {"path": "pristine-serial", "device": devices[0]["name"], "tokens_replayed": tokens,
             "seconds": seconds, "ms_per_token": 1000 * seconds / tokens if tokens else None,
             "world_size": len(devices), "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)],

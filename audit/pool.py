@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -99,6 +100,7 @@ def serve(conn, index: int, setup: WorkerSetup) -> None:
         from audit import replay
 
         torch.set_num_threads(setup.threads)
+        exit_with_the_audit()
         model = take_model(conn)
         conn.send(("ready", model.identity, determinism.current()))
         stepper, eos, relay = replay.PristineSerial(model), set(model.eos_token_ids), Relay(conn)
@@ -116,6 +118,20 @@ def serve(conn, index: int, setup: WorkerSetup) -> None:
             conn.send(("error", error_text(exc)) if oom is None else ("error", oom, "out-of-memory"))
         except OSError:
             pass
+
+
+def exit_with_the_audit() -> None:
+    """End this worker as soon as the audit's process ends, whatever the worker is doing (a worker
+    waiting on its pipe sees the end anyway; one stuck elsewhere would outlive the audit)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="audit-replay-parent-watch").start()
 
 
 def take_model(conn):
@@ -149,6 +165,7 @@ class Worker:
     conn: object
     at: tuple | str | None  # (walk index, label) while walking, a stage while starting, None when idle
     last: float  # monotonic time of its last message
+    sender: threading.Thread | None = None  # the thread writing the model to it, while starting
 
     def doing(self) -> str:
         return f"on prompt {self.at[1]!r}" if isinstance(self.at, tuple) else f"while {self.at or 'idle'}"
@@ -208,8 +225,9 @@ class WorkerPool:
             # memory), written by a thread: a write waits until the worker has imported torch and
             # reads, and meanwhile this thread watches for a worker that dies or hangs first
             payload = bytes(ForkingPickler.dumps(self.model))
-            threading.Thread(target=hand_over, args=(w.conn, payload), daemon=True,
-                             name=f"audit-replay-model-to-{w.index}").start()
+            w.sender = threading.Thread(target=hand_over, args=(w.conn, payload), daemon=True,
+                                        name=f"audit-replay-model-to-{w.index}")
+            w.sender.start()
         mine = determinism.current()
         while any(w.at is not None for w in self.workers):
             for w, message in self.poll():
@@ -241,6 +259,8 @@ class WorkerPool:
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
+            if w.sender is not None:  # its worker is gone, so an unfinished write fails at once
+                w.sender.join()
             w.conn.close()
         self.workers = []
 
@@ -306,6 +326,9 @@ class WorkerPool:
                 out += [(w, m) for m in got]
             elif w.process.sentinel in ready:
                 raise self.died(w)
+            elif isinstance(w.at, str) and now - w.last > self.stall_limit(w):
+                raise DistError(f"replay worker {w.index} was not ready after {self.stall_limit(w):g} s "
+                                f"{w.doing()}: it starts too slowly or hung; nothing was written")
             elif w.at is not None and now - w.last > self.stall_limit(w):
                 raise DistError(f"replay worker {w.index} made no progress for {self.stall_limit(w):g} s "
                                 f"{w.doing()}: it hung; nothing was written")

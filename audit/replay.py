@@ -306,7 +306,9 @@ def replay_shared(walker, runs: list, log=None, bar=None) -> list[tuple[dict[str
     path, which is the same for every run of the same model, prompt, N and sampler, so sharing the
     walk changes no result. ``walker``: ``walk_here(model)`` or a worker pool's. Returns, per run, what
     ``replay_run`` would: ({prompt_id: PromptReplay}, tokens replayed, seconds); a shared walk's
-    tokens and seconds are counted for every run it settled."""
+    tokens are counted for every run it settled. A run's seconds are its share of the replay's wall
+    time, in proportion to its walks' seconds (a shared walk's split by the positions each run
+    needed): with workers the walks overlap, so their own seconds add up to more than the wall."""
     groups: dict[tuple, list[tuple[int, object]]] = {}
     for i, run in enumerate(runs):
         for p in run.prompts:
@@ -318,8 +320,10 @@ def replay_shared(walker, runs: list, log=None, bar=None) -> list[tuple[dict[str
         walks.append(Walk(members[0][1].id, prompt_ids, streams, max_new, sampler))
         members_of.append(labelled)
     out = [({}, 0, 0.0) for _ in runs]
+    t0, walked_seconds = time.perf_counter(), 0.0
     for n, (k, walked) in enumerate(walker(walks, bar, log), start=1):
         greedy, seconds = walked.greedy, walked.seconds
+        walked_seconds += seconds
         for i, p, legs in members_of[k]:
             divs = {label: walked.results[s] for label, s in legs.items() if walked.results[s] is not None}
             # the positions this run's own walk would have computed, so its audit.json is the one
@@ -332,8 +336,10 @@ def replay_shared(walker, runs: list, log=None, bar=None) -> list[tuple[dict[str
             per = 1000 * seconds / len(greedy) if greedy else 0.0
             log(f"replay [{n}/{len(walks)}] {walks[k].label}: {len(greedy)} positions, {per:.1f} ms/token, "
                 f"{len(walks[k].streams)} distinct stream(s) from {len(members_of[k])} run(s){where(walked.worker)}")
+    wall = time.perf_counter() - t0
+    share = wall / walked_seconds if walked_seconds > 0 else 0.0
     # each run's prompts in file order, whatever order the walks finished in
-    return [({p.id: replayed[p.id] for p in run.prompts if p.id in replayed}, tokens, secs)
+    return [({p.id: replayed[p.id] for p in run.prompts if p.id in replayed}, tokens, secs * share)
             for run, (replayed, tokens, secs) in zip(runs, out)]
 
 

@@ -103,7 +103,8 @@ def audit_stream(opts: ReplayOptions) -> int:
     else:
         log("not replayed: the model is not the one that recorded the stream")
     return finish(run, path, out_path, findings, replayed,
-                  replay_info([replay_dev], tokens, seconds, pool.workers), model.identity, opts.score_params)
+                  replay_info([replay_dev], tokens, seconds, pool.workers if replayed is not None else 0),
+                  model.identity, opts.score_params)
 
 
 def prepare_job(path: Path, models: dict, opts: ReplayOptions) -> Job:
@@ -146,7 +147,7 @@ def audit_streams(opts: ReplayOptions) -> int:
         check_writable(path.parent / "audit.json")
 
     replays: dict[int, tuple] = {}
-    workers: dict[int, int] = {}  # per job: the workers its replay ran on
+    workers: dict[int, int] = {}  # per job: the workers its replay ran on (none where it was not replayed)
     for key, model in models.items():
         members = [i for i, job in enumerate(jobs) if job.model_key == key and job.replays]
         if not members:
@@ -169,7 +170,7 @@ def audit_streams(opts: ReplayOptions) -> int:
             findings = findings + divergence_findings(job.run, replayed)
         click.echo(printable(f"\n== {job.path}"))
         codes.append(finish(job.run, job.path, job.path.parent / "audit.json", findings, replayed,
-                            replay_info([job.replay_device], tokens, seconds, workers.get(i, 1)),
+                            replay_info([job.replay_device], tokens, seconds, workers.get(i, 0)),
                             models[job.model_key].identity, opts.score_params))
     failed = [str(p) for p, c in zip(paths, codes) if c != EXIT_PASS]
     click.echo(printable(f"\n{len(paths) - len(failed)} of {len(paths)} streams pass" +

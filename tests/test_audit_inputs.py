@@ -247,7 +247,8 @@ def test_another_model_says_not_replayed_rather_than_not_exact(stream):
     result = replay(stream)
     assert result.exit_code == 1
     doc = json.loads((stream.parent / "audit.json").read_text())
-    assert (doc["exact"], doc["replayed"], doc["replay"]["tokens_replayed"]) == (False, False, 0)
+    assert (doc["exact"], doc["replayed"], doc["replay"]["tokens_replayed"], doc["replay"]["workers"]) == (
+        False, False, 0, 0)  # nothing replayed, so no worker ran
     assert "exact: not replayed" in result.stdout and "exact: NO" not in result.stdout
     # another tokenizer would cut other prompts: the model's finding is not repeated as a prompts one
     assert not findings(doc, "prompts", severity="fail")

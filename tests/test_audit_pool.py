@@ -187,8 +187,8 @@ def error_lines(proc) -> list[str]:
               "nothing was written"),
     ("hang", "error: replay worker 1 made no progress for 2 s on prompt 'prose-letter': it hung; nothing was written"),
     ("die", "error: replay worker 1 exited (exit code 3) on prompt 'prose-letter'; nothing was written"),
-    ("hang-start", "error: replay worker 1 made no progress for 2 s while taking the model: it hung; "
-                   "nothing was written"),
+    ("hang-start", "error: replay worker 1 was not ready after 2 s while taking the model: it starts too slowly "
+                   "or hung; nothing was written"),
     ("oom", "error: replay worker 1 failed while taking the model: CUDA out of memory. Tried to allocate 96.00 MiB: "
             "each of the 2 workers holds its own activations and cache on cpu; use fewer --workers; nothing was written"),
     ("weights", "error: replay worker 1 failed while taking the model: computes with other weights than the audit's "
@@ -245,6 +245,31 @@ def test_no_more_workers_start_than_there_are_walks(exact_stream, tmp_path):
     assert result.exit_code == 0 and doc["replay"]["workers"] == 3, result.output
     assert "--workers 9: 3 walk(s) to hand out, so 3 worker(s)" in result.output
     assert "starting 3 replay workers" in result.output
+
+
+def test_shared_replays_share_out_the_wall_time_not_the_walks_summed():
+    """Workers walk at once, so walks' own seconds add up to more than the replay took: each run's
+    seconds are its share of the wall, split by its walks' seconds."""
+    from types import SimpleNamespace as NS
+
+    from audit.replay import Walked, replay_shared
+
+    def leg(role, tokens):
+        return {"role": role, "leg": 0, "tokens": tokens}
+
+    runs = [NS(prompts=[NS(id="a", token_ids=[1, 2], legs=[leg("control", [5, 6])]),
+                        NS(id="b", token_ids=[3], legs=[leg("control", [7, 8])])], max_new_tokens=2, sampler=None),
+            NS(prompts=[NS(id="c", token_ids=[4], legs=[leg("control", [9, 9])])], max_new_tokens=2, sampler=None)]
+
+    def walker(walks, bar=None, log=None):  # three walks of 30 s each, said to have run at once
+        for k, walk in enumerate(walks):
+            yield k, Walked({s: None for s in walk.streams}, list(walk.streams[0]), 30.0, worker=k)
+
+    out = replay_shared(walker, runs)
+    assert [tokens for _, tokens, _ in out] == [4, 2]
+    first, second = out[0][2], out[1][2]
+    assert 0 <= first < 1.0 and 0 <= second < 1.0  # not 60 and 30: the walks took no wall time here
+    assert first == 2 * second or first == second == 0.0
 
 
 def test_planned_walks_count_prompts_or_shared_walks():
