@@ -51,7 +51,8 @@ class PoolOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def for_walks(self, walks: int, log=None) -> "PoolOptions":
-        """No more workers than there are walks to hand out: each is a whole model loaded."""
+        """No more workers than there are walks to hand out: each idle one would still hold a process,
+        a device context and a pipe."""
         if self.workers <= max(1, walks):
             return self
         if log:

@@ -326,10 +326,18 @@ def test_a_gpu_shared_with_a_process_out_of_reach_fails_the_retime(fast_serial_s
     assert "1 (miner)" in result.stdout
 
 
-def test_retimed_legs_are_replayed_on_workers(fast_serial_stream, tmp_path):
-    """--workers: the retimed legs replayed by worker processes on the one device (audit.pool)."""
+def test_retimed_legs_are_replayed_on_workers(fast_serial_stream, tmp_path, monkeypatch):
+    """--workers: the retimed legs replayed by worker processes on the one device (audit.pool),
+    each taken as hung after --dist-timeout."""
+    import audit.retime.command
+
+    pools = []
+    walker = audit.retime.command.replay_walker
+    monkeypatch.setattr(audit.retime.command, "replay_walker",
+                        lambda model, pool, log: pools.append(pool) or walker(model, pool, log))
     stream = copy_stream(fast_serial_stream, tmp_path / "run")
-    result, doc = run_retime(stream, "--prompts", str(FRESH), "--workers", "2")
+    result, doc = run_retime(stream, "--prompts", str(FRESH), "--workers", "2", "--dist-timeout", "900")
+    assert [(p.workers, p.timeout_s) for p in pools] == [(2, 900)]
     assert result.exit_code in (0, 1) and doc is not None, result.output
     assert not findings(doc, "retime-error") and not findings(doc, "exactness")
     assert doc["prompts"] and all(e["exact"] for e in doc["prompts"])

@@ -54,8 +54,14 @@ from audit.commands.common import run_command
               help="Replay the retimed legs N prompts at once, in N processes on the one device, all reading "
                    "the audit's one copy of the weights (as audit replay --workers). 1: in the audit's own "
                    "process.")
+@click.option("--dist-timeout", type=FiniteFloat(min=0, min_open=True), default=1800, show_default=True,
+              metavar="SECONDS",
+              help="With --workers above 1: a replay worker that shows no progress for this long is taken as "
+                   "hung; the retime then fails (exit 2) naming it and its prompt, and writes nothing "
+                   "(as audit replay's).")
 def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs, model_spec, device,
-               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, mem_allowance, workers):
+               allow_device_mismatch, trust_plugin, seed, no_sandbox, s_max, kappa, mem_allowance, workers,
+               dist_timeout):
     """Measure STREAM's candidate again, against the control, on fresh prompts and the audit's clock:
     the verified ratio, its interval and score.
 
@@ -92,5 +98,6 @@ def retime_cmd(stream, out_path, prompt_count, fresh_file, max_new_tokens, legs,
     opts = RetimeOptions(stream=stream, out=out_path, prompts=prompt_count, max_new_tokens=max_new_tokens, legs=legs,
                          model=model_spec, device=device, allow_device_mismatch=allow_device_mismatch,
                          trust_plugin=trust_plugin, seed=seed, fresh=fresh_file, sandbox=not no_sandbox,
-                         s_max=s_max, kappa=kappa, mem_allowance=mem_allowance, workers=workers)
+                         s_max=s_max, kappa=kappa, mem_allowance=mem_allowance, workers=workers,
+                         dist_timeout=dist_timeout)
     run_command(lambda: retime(opts), worded={WorkerError: "retime could not start"})

@@ -15,7 +15,7 @@ from audit import checks
 from audit.pipeline import (EXIT_FAIL, EXIT_PASS, check_out_path, check_writable, choose_device, file_findings, load_replay_model,
                             log, model_spec_from_header, pin_replay_environment, replay_device_json)
 from audit.processes import GpuWatch, set_subreaper, tree_control
-from audit.pool import PoolOptions, replay_walker
+from audit.pool import DEFAULT_TIMEOUT_S, PoolOptions, replay_walker
 from audit.replay import planned_walks, replay_run
 from audit.report import divergence_findings, write_document
 from audit.retime.judge import (CONFIDENCE, MIN_PROMPTS, NOISY_SPAN, claim_findings, falls_short, gpu_findings,
@@ -56,6 +56,7 @@ class RetimeOptions:
     kappa: float = 2.0
     mem_allowance: float = 1.2  # candidate/control peak memory allowed before the score is cut
     workers: int = 1  # processes that replay the retimed legs on the one device (audit.pool)
+    dist_timeout: float = DEFAULT_TIMEOUT_S  # a replay worker silent this long is hung
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     findings += squeeze_findings(timed)
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
-    pool = PoolOptions(workers=ctx.opts.workers).for_walks(planned_walks([fresh_run]), log)
+    pool = PoolOptions(workers=ctx.opts.workers, timeout_s=ctx.opts.dist_timeout).for_walks(planned_walks([fresh_run]), log)
     with replay_walker(model, pool, log) as walker:
         replayed, _, _ = replay_run(walker, fresh_run, log)
     findings += divergence_findings(fresh_run, replayed)
