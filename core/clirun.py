@@ -85,9 +85,19 @@ class OneLineUsageGroup(click.Group):
             raise Interrupted() from None
 
 
+class IntRange(click.IntRange):
+    """A ``click.IntRange`` that calls a value it cannot read "not a valid integer" (click's own
+    words name its type, "integer range") and shows INTEGER in ``--help``, its bounds beside it."""
+
+    name = "integer"
+
+
 class FiniteFloat(click.FloatRange):
     """A ``click.FloatRange`` that also refuses nan and inf, which pass its bounds (every comparison
-    with nan is false) and would only fail when the document is written, after the work."""
+    with nan is false) and would only fail when the document is written, after the work. A value it
+    cannot read is "not a valid number"."""
+
+    name = "number"
 
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)

@@ -41,6 +41,7 @@ import torch
 import transformers
 
 from core import determinism
+from core.clirun import IntRange
 from core.continues import ContinueCounter
 from core.errors import UserError
 from core.models import load_model
@@ -123,7 +124,7 @@ def alloc_retries(device) -> int | None:
               help="Constructor arguments as a JSON object (as the stream header records them).")
 @click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
               help="Constructor argument as harness time takes it (repeatable); added to --decoder-args.")
-@click.option("--positions", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--positions", type=IntRange(min=1), default=None, metavar="N",
               help="Reserve room for every request of len(prompt_ids) + max_new_tokens <= N before the ready line.")
 @click.option("--sampling", default=None, metavar="SPEC|JSON",
               help="Decode every request under this seeded sampler: a SPEC as harness time --sampling takes it, "

@@ -15,12 +15,12 @@ import sys
 
 import click
 
-from core.clirun import FiniteFloat, PathArg, run_command
+from core.clirun import FiniteFloat, IntRange, PathArg, run_command
 from core.version import version_option
 from heads.run import TrainRequest, run_train
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-POSITIVE = click.IntRange(min=1)
+POSITIVE = IntRange(min=1)
 
 
 @click.group(context_settings=CONTEXT)
@@ -39,7 +39,7 @@ def heads():
 @click.option("--out", required=True, type=PathArg(), metavar="DIR",
               help="Head directory to write (mtp.safetensors, draft_shortlist.json, report.json). Refused if it "
                    "already holds a head or is the model's own directory.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+@click.option("-n", "--max-new-tokens", type=IntRange(min=2), default=128, show_default=True,
               help="Greedy tokens generated per prompt.")
 @click.option("--steps", type=POSITIVE, default=200, show_default=True,
               help="Optimizer steps at most (early stopping may end sooner).")

@@ -41,6 +41,16 @@ def test_score_options_refuse_numbers_that_are_not_finite_before_any_work(args, 
     assert res.exit_code == 2 and "is not a finite number" in res.output
 
 
+@pytest.mark.parametrize("args, words", [(("replay", "--workers", "abc"), "'abc' is not a valid integer."),
+                                         (("retime", "--kappa", "x"), "'x' is not a valid number."),
+                                         (("retime", "--legs", "1.5"), "'1.5' is not a valid integer.")])
+def test_a_number_that_cannot_be_read_is_named_as_the_number_it_should_be(args, words, tmp_path):
+    """Not click's "not a valid integer range": the type, not its bounds, is what the value missed."""
+    command, *options = args
+    res = CliRunner().invoke(audit_main, [command, str(tmp_path / "s.jsonl"), *options])
+    assert res.exit_code == 2 and words in res.output and "range" not in res.output
+
+
 def test_an_out_path_of_dash_or_a_directory_is_refused_with_the_documents_own_name(tmp_path):
     from audit.pipeline import check_out_path
     from audit.stream import BadInput

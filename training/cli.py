@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat, run_command
+from core.clirun import FiniteFloat, IntRange, run_command
 from core.errors import EXIT_INTERRUPTED, UserError, fail
 from core.version import version_option
 from training.model import PRESETS, require_checkpoint
@@ -65,15 +65,15 @@ def _preset(field: str) -> str:
               help="CPU-sized run: small config, corpus slice, few steps.")
 @click.option("--minutes", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default="5.5, or none with --smoke", help="Cap on training time, before the unloop fine-tune.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
+@click.option("--steps", type=IntRange(min=1), default=None,
               show_default="the preset's: smoke 8; small planned, up to --max-epochs, lowered to fit --minutes",
               help="Optimizer steps.")
 @click.option("--device", default=None, metavar="DEV", show_default="cuda if available, else cpu",
               help="cpu, cuda or cuda:N; checked before anything loads.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every phase.")
-@click.option("--batch", type=click.IntRange(min=1), default=None, show_default=_preset("batch"),
+@click.option("--batch", type=IntRange(min=1), default=None, show_default=_preset("batch"),
               help="Rows per step.")
-@click.option("--prompts", type=click.IntRange(min=1), default=None, show_default=_preset("prompts"),
+@click.option("--prompts", type=IntRange(min=1), default=None, show_default=_preset("prompts"),
               help="Held-out prompts for quality.")
 @click.option("--no-spec-check", is_flag=True, show_default=True,
               help="Skip decoding the quality prompts with `spec` too.")
@@ -83,7 +83,7 @@ def _preset(field: str) -> str:
               help="AdamW weight decay.")
 @click.option("--max-epochs", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default=_preset("max_epochs"), help="Passes over the train split that planned steps never exceed.")
-@click.option("--unloop-steps", type=click.IntRange(min=0), default=None, show_default=_preset("unloop_steps"),
+@click.option("--unloop-steps", type=IntRange(min=0), default=None, show_default=_preset("unloop_steps"),
               help="Updates of the sequence-level unlikelihood fine-tune against greedy loops, after training.")
 @click.option("--unloop-lr", type=FiniteFloat(min=0, min_open=True), default=None,
               show_default=_preset("unloop_lr"), help="The unloop fine-tune's learning rate.")

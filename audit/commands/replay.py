@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat
+from core.clirun import FiniteFloat, IntRange
 from core.version import version_option
 
 from audit.commands.common import check_device_option, run_command
@@ -29,7 +29,7 @@ from audit.commands.common import check_device_option, run_command
               help="Score scale: S_max * (1 - exp(-(m - 1) / kappa)) * f_mem.")
 @click.option("--mem-allowance", type=FiniteFloat(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory allowed before the score is cut: f_mem = min(1, allowance / ratio).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+@click.option("--workers", type=IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Replay N prompts at once in N worker processes on the one device, each with its own "
                    "pristine serial path, all reading this process's one copy of the weights (a worker adds "
                    "only its context, activations and cache). Results are a lone replay's, bit for bit. "

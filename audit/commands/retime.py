@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from core.clirun import FiniteFloat, PathArg
+from core.clirun import FiniteFloat, IntRange, PathArg
 from core.version import version_option
 
 from audit.commands.common import run_command
@@ -24,9 +24,9 @@ from audit.commands.common import run_command
                    "starts and hidden from the candidate's sandbox (at its real path; a copy or hard link "
                    "elsewhere is not). Default: drawn from a built-in source of the stream's kind (random ids, "
                    "or runs of stdlib lines from random line starts for text).")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("-n", "--max-new-tokens", type=IntRange(min=1), default=None, metavar="N",
               help="New tokens per decode. Default: the stream's N.")
-@click.option("--legs", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--legs", type=IntRange(min=1), default=2, show_default=True,
               help="Timed legs per side per fresh prompt, ABBA.")
 @click.option("--model", "model_spec", default=None, metavar="MODEL",
               help="Model (built-in name or checkpoint dir): the recorded weights, e.g. where a checkpoint has moved; "
@@ -37,7 +37,7 @@ from audit.commands.common import run_command
               help="Retime even on a device other than the recording one (a warning, not a refusal).")
 @click.option("--trust-plugin", is_flag=True,
               help="Run a plug-in decoder (package.module:attr) that the stream names: its code runs in a worker.")
-@click.option("--seed", type=click.IntRange(min=0), default=None, metavar="S",
+@click.option("--seed", type=IntRange(min=0), default=None, metavar="S",
               help="Draw the fresh prompts from seed S (a retime.json's seed "
                    "repeats its draw). Default: a secret seed drawn for this retime, shown once every leg ran.")
 @click.option("--no-sandbox", "no_sandbox", is_flag=True,
@@ -50,7 +50,7 @@ from audit.commands.common import run_command
 @click.option("--mem-allowance", type=FiniteFloat(min=0, min_open=True), default=1.2, show_default=True,
               help="Candidate/control peak memory, measured outside each worker, allowed before the verified score "
                    "is cut: f_mem = min(1, allowance / ratio) (as audit replay's).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+@click.option("--workers", type=IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Replay the retimed legs N prompts at once, in N processes on the one device, all reading "
                    "the audit's one copy of the weights (as audit replay --workers). 1: in the audit's own "
                    "process.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from core.clirun import FiniteFloat, PathArg
+from core.clirun import FiniteFloat, IntRange, PathArg
 from core.version import version_option
 
 from audit.commands.common import check_device_option, parse_sampling, run_command
@@ -28,8 +28,8 @@ from audit.commands.common import check_device_option, parse_sampling, run_comma
               help="The same requests from the engine without speculation: report where each output first "
                    "parts from its counterpart (matched by id, else by line) and what greedy says there. Every "
                    "generation of FILE needs a counterpart (else exit 2).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, metavar="K", help="Audit the first K records only.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--limit", type=IntRange(min=1), default=None, metavar="K", help="Audit the first K records only.")
+@click.option("-n", "--max-new-tokens", type=IntRange(min=1), default=None, metavar="N",
               help="N, where serial decoding stops without an EOS. Default: the longest output in FILE.")
 @click.option("--sampling", default=None, metavar="SPEC",
               help="The seeded sampler claimed by FILE's lines that record none (core.sampling): greedy (the "

@@ -6,7 +6,7 @@ import click
 
 from core.errors import fail
 from core.version import version_option
-from core.clirun import PathArg
+from core.clirun import IntRange, PathArg
 from harness.commands.common import run_cli
 from harness.generate import GenerateOptions, StdoutLost, run_generate  # torch loads only when it runs
 from harness.options import SAMPLING_HELP, parse_sampling
@@ -30,7 +30,7 @@ from harness.options import SAMPLING_HELP, parse_sampling
 @click.option("--decoder-arg", "decoder_args", multiple=True, metavar="KEY=VALUE",
               help="Constructor argument for the decoder (repeatable), e.g. max_depth=4.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=GenerateOptions.max_new_tokens,
+@click.option("--max-new-tokens", "-n", type=IntRange(min=1), default=GenerateOptions.max_new_tokens,
               show_default=True, help="The most new tokens; decoding stops earlier right after an EOS.")
 @click.option("--json", "json_out", is_flag=True,
               help="Print one JSON object on stdout (prompt_ids, token_ids, text, finish_reason, stats, "

@@ -7,7 +7,7 @@ import click
 
 from core.errors import UserError
 from core.version import version_option
-from core.clirun import PathArg
+from core.clirun import IntRange, PathArg
 from harness.commands.common import run_cli
 from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
 
@@ -24,16 +24,16 @@ from harness.serve.options import DEFAULT_MAX_CONTEXT, ServeOptions
 @click.option("--device", default=ServeOptions.device, help="torch device. Default: cuda if available, else cpu.")
 @click.option("--host", default=ServeOptions.host, show_default=True,
               help="Address to listen on (0.0.0.0 for every interface: the server has no authentication).")
-@click.option("--port", type=click.IntRange(0, 65535), default=ServeOptions.port, show_default=True,
+@click.option("--port", type=IntRange(0, 65535), default=ServeOptions.port, show_default=True,
               help="TCP port; 0 picks a free one. The address is printed on stdout once it listens.")
-@click.option("--queue-size", type=click.IntRange(min=1), default=ServeOptions.queue_size, show_default=True,
+@click.option("--queue-size", type=IntRange(min=1), default=ServeOptions.queue_size, show_default=True,
               help="Requests that may wait while one decodes (one decode runs at a time); a request "
                    "beyond that is answered 429.")
-@click.option("--max-new-tokens-limit", type=click.IntRange(min=1), default=ServeOptions.max_new_tokens_limit,
+@click.option("--max-new-tokens-limit", type=IntRange(min=1), default=ServeOptions.max_new_tokens_limit,
               show_default=True, metavar="N",
               help="Largest max_tokens a request may ask for (more is answered 400). A request that "
                    "names none gets min(256, N).")
-@click.option("--max-context", type=click.IntRange(min=2), default=None, metavar="N",
+@click.option("--max-context", type=IntRange(min=2), default=None, metavar="N",
               help="Longest request, prompt tokens + max_tokens (longer is answered 400); at most the "
                    f"model's context. Default: the model's context, at most {DEFAULT_MAX_CONTEXT}. The "
                    "decoder's static state is sized for it at start, so no request waits for it to grow.")

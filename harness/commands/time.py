@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from core.clirun import FiniteFloat, PathArg
+from core.clirun import FiniteFloat, IntRange, PathArg
 from core.errors import fail
 from core.version import version_option
 from harness.commands.common import run_cli
@@ -33,12 +33,12 @@ from harness.run import run_time
                    "random-512-offline; `harness list` describes them; the stdlib-* sets take a count as "
                    "NAME:N, e.g. stdlib-train:2048) or a jsonl file of {id, text|token_ids}. "
                    "Default: stdlib-heldout for small, dev for other models with a tokenizer, random-512 otherwise.")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=TimeOptions.max_new_tokens,
+@click.option("--max-new-tokens", "-n", type=IntRange(min=1), default=TimeOptions.max_new_tokens,
               help="New tokens per decode (stops earlier at EOS). Default: 64 on CPU, 512 on GPU.")
-@click.option("--legs", "-l", type=click.IntRange(min=1), default=TimeOptions.legs, show_default=True,
+@click.option("--legs", "-l", type=IntRange(min=1), default=TimeOptions.legs, show_default=True,
               help="Timed legs per side per prompt, interleaved ABBA.")
-@click.option("--limit", type=click.IntRange(min=1), default=TimeOptions.limit, help="Use only the first K prompts.")
-@click.option("--warmup-tokens", type=click.IntRange(min=0), default=TimeOptions.warmup_tokens, show_default=True,
+@click.option("--limit", type=IntRange(min=1), default=TimeOptions.limit, help="Use only the first K prompts.")
+@click.option("--warmup-tokens", type=IntRange(min=0), default=TimeOptions.warmup_tokens, show_default=True,
               help="New tokens in the untimed warm-up decode of each side, per prompt. The warm-up decodes "
                    "another prompt of the same length (random ids from --seed and the prompt's index).")
 @click.option("--device", default=TimeOptions.device, help="torch device. Default: cuda if available, else cpu.")
