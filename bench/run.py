@@ -73,7 +73,8 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               stop=confidence and the oracle's bound (each round knowing its acceptance), priced by
               the costs a 9B run recorded on the H200
   tests-cuda  pytest -q -m cuda
-  suite       pytest -q
+  suite       pytest -q, the whole suite: in half the CPUs' worth of processes where pytest-xdist
+              is installed (the `test` extra), else in one; its 15 slowest tests named
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
@@ -295,6 +296,29 @@ def sampling_exact_steps(out: Path, sweep: SamplingSweep) -> list[Step]:
     return steps
 
 
+def xdist_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
+
+
+def suite_jobs(cpus: int) -> int:
+    """pytest processes for the whole suite: half the CPUs, so that the tests that measure a
+    machine's load (the retime's) still find cores free beside the others."""
+    return max(1, cpus // 2)
+
+
+def suite_step(cpus: int, xdist: bool) -> Step:
+    """The whole suite, its slowest tests named; spread over processes test by test (pytest-xdist's
+    worksteal: a file's tests may land on several processes, each building the fixtures it needs)
+    where pytest-xdist is installed and more than one process is worth starting."""
+    argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15"]
+    jobs = suite_jobs(cpus)
+    if xdist and jobs > 1:
+        argv += ["-n", str(jobs), "--dist", "worksteal"]
+    return Step("pytest", tuple(argv))
+
+
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
@@ -354,7 +378,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "suite":
-        return [Step("pytest", (PY, "-m", "pytest", "-q"))]
+        return [suite_step(os.cpu_count() or 1, xdist_installed())]
     raise KeyError(name)
 
 

@@ -64,6 +64,14 @@ def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
     assert keys(None) == keys(140.4) == keys(79.6)
 
 
+@pytest.mark.parametrize("cpus, xdist, spread", [(16, True, ["-n", "8", "--dist", "worksteal"]), (16, False, []),
+                                                (2, True, []), (1, True, [])])
+def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run, cpus, xdist, spread):
+    argv = list(run.suite_step(cpus, xdist).argv)
+    assert argv[1:4] == ["-m", "pytest", "-q"] and "--durations=15" in argv
+    assert argv[argv.index("--durations=15") + 1:] == spread
+
+
 def test_profile_idle_gaps_are_the_time_between_busy_intervals_by_length():
     prof = load("profile_runtime")
     # two lanes overlapping (0-10, 5-12), a 0.5 us gap, a 40 us gap, a 2 us gap; two calls
