@@ -222,9 +222,10 @@ class WorkerPool:
             child_end.close()
             self.workers.append(Worker(index, process, parent_end, "taking the model", time.monotonic()))
         for w in self.workers:
-            # pickled here, one payload per worker (its tensors as handles to this process's own
-            # memory), written by a thread: a write waits until the worker has imported torch and
-            # reads, and meanwhile this thread watches for a worker that dies or hangs first
+            # pickled here, once per worker: its tensors travel as handles to this process's own
+            # memory, and each pickling counts one more reader of them, which that worker releases.
+            # Written by a thread: a write waits until the worker has imported torch and reads, and
+            # meanwhile this thread watches for a worker that dies or hangs first
             payload = bytes(ForkingPickler.dumps(self.model))
             w.sender = threading.Thread(target=hand_over, args=(w.conn, payload), daemon=True,
                                         name=f"audit-replay-model-to-{w.index}")

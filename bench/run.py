@@ -60,9 +60,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               `audit replay` of one synthetic-9b stream (fast-serial, made by `harness time` first:
               8 prompts x 96 tokens) at --workers 1, 2, 4 and 8 on the one GPU (8: one prompt each;
               the workers share the audit's one copy of the weights, and a GPU too small for 8
-              stops at its own most), and, where nvidia-cuda-mps-control exists, the most again under an MPS daemon
-              of the set's own: tokens/s per setting, and whether the audit.json documents agree
-              (bench/replay_table.py)
+              stops at its own most), and, where nvidia-cuda-mps-control exists, the most again
+              under an MPS daemon of the set's own: tokens/s per setting, and whether the
+              audit.json documents agree (bench/replay_table.py)
   cpu-verify  bench/cpu_verify.py on the CPU (device cpu): 5 honest retimes each of spec and
               fast-serial on tiny and small (4 at once), then 10 README quick starts (harness time,
               audit replay, audit retime) beside a steady CPU hog (4 at once); two tables

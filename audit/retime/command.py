@@ -58,6 +58,10 @@ class RetimeOptions:
     workers: int = 1  # processes that replay the retimed legs on the one device (audit.pool)
     dist_timeout: float = DEFAULT_TIMEOUT_S  # a replay worker silent this long is hung
 
+    @property
+    def pool(self) -> PoolOptions:
+        return PoolOptions(workers=self.workers, timeout_s=self.dist_timeout)
+
 
 @dataclass(frozen=True)
 class Context:
@@ -236,7 +240,7 @@ def measure_and_judge(ctx: Context, model, sides, draw: Draw, findings: list) ->
     findings += squeeze_findings(timed)
     fresh_run = Run(ctx.path, {**header, "max_new_tokens": ctx.max_new_tokens}, timed, None, {})
     log(f"replaying the {sum(len(p.legs) for p in timed)} retimed legs through the pristine serial path ...")
-    pool = PoolOptions(workers=ctx.opts.workers, timeout_s=ctx.opts.dist_timeout).for_walks(planned_walks([fresh_run]), log)
+    pool = ctx.opts.pool.for_walks(planned_walks([fresh_run]), log)
     with replay_walker(model, pool, log) as walker:
         replayed, _, _ = replay_run(walker, fresh_run, log)
     findings += divergence_findings(fresh_run, replayed)
