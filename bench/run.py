@@ -73,13 +73,18 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               stop=confidence and the oracle's bound (each round knowing its acceptance), priced by
               the costs a 9B run recorded on the H200
   tests-cuda  pytest -q -m cuda
+  tests-cuda-shared
+              pytest -q -m cuda across 4 processes on the one GPU (pytest-xdist), so that each
+              CUDA test runs while others load the card
   suite       pytest -q, the whole suite: in half the CPUs' worth of processes where pytest-xdist
               is installed (the `test` extra), else in one; its 15 slowest tests named
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
-configuration does not cost the others. The last thing printed is the set's table: the last
-markdown table of its final step (for pytest, its summary line).
+configuration does not cost the others. A step past --timeout is interrupted as by Ctrl-C (pytest
+then prints the failures it has met) and killed 20 s later if it is still there. The last thing
+printed is the set's table: the last markdown table of its final step (for pytest, its summary
+line).
 
 A GPU call is limited in time, so `table` can be run in parts (``--configs``) into one DIR;
 ``--resume`` skips configurations whose stream is already there, and the audit and the table
@@ -302,6 +307,9 @@ def xdist_installed() -> bool:
     return importlib.util.find_spec("xdist") is not None
 
 
+SHARED_CUDA_PROCESSES = 4  # tests-cuda-shared: test processes on the one GPU at once
+
+
 def suite_jobs(cpus: int) -> int:
     """pytest processes for the whole suite: half the CPUs, so that the tests that measure a
     machine's load (the retime's) still find cores free beside the others."""
@@ -312,7 +320,7 @@ def suite_step(cpus: int, xdist: bool) -> Step:
     """The whole suite, its slowest tests named; spread over processes test by test (pytest-xdist's
     worksteal: a file's tests may land on several processes, each building the fixtures it needs)
     where pytest-xdist is installed and more than one process is worth starting."""
-    argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15"]
+    argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
@@ -377,6 +385,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return [Step("retime-null", (PY, "bench/retime_null.py", "--trials", "1000"))]
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
+    if name == "tests-cuda-shared":
+        return [Step("pytest", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-m", "cuda",
+                                "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
     if name == "suite":
         return [suite_step(os.cpu_count() or 1, xdist_installed())]
     raise KeyError(name)
@@ -384,11 +395,11 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
 
 # sets whose steps need a CUDA GPU (refused up front on a machine without one)
 CUDA_SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "context", "long", "serve", "sampling",
-             "sampling-exact-9b", "retime-9b", "quiet", "replay-throughput", "tests-cuda")
+             "sampling-exact-9b", "retime-9b", "quiet", "replay-throughput", "tests-cuda", "tests-cuda-shared")
 SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "small-real", "context", "long", "serve", "sampling", "sampling-exact",
         "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
-        "cpu-verify", "retime-null", "policy", "tests-cuda", "suite")
+        "cpu-verify", "retime-null", "policy", "tests-cuda", "tests-cuda-shared", "suite")
 CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
 
 
@@ -406,7 +417,7 @@ def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | N
 
         def kill():
             killed.set()
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc.pid, lambda grace: wait_for(proc, grace))
 
         timer = threading.Timer(timeout, kill) if timeout else None
         if timer:
@@ -418,6 +429,30 @@ def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | N
         if timer:
             timer.cancel()
     return (None if killed.is_set() else rc), time.monotonic() - t0
+
+
+STOP_GRACE_S = 20.0  # an interrupted step's time to say what it has (pytest: its failures so far)
+
+
+def stop_group(pgid: int, gone_within, grace: float = STOP_GRACE_S) -> None:
+    """Stop a step past its time: SIGINT to its process group first, as Ctrl-C would, so that
+    pytest prints the failures it has met and a harness or audit run removes what it had begun;
+    SIGKILL if anything is left after ``grace`` seconds (``gone_within(grace)`` says whether it went)."""
+    try:
+        os.killpg(pgid, signal.SIGINT)
+        if gone_within(grace):
+            return
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def wait_for(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def last_table(text: str) -> str:
@@ -493,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
                     help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations")
-    ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS", help="limit per step")
+    ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS",
+                    help="limit per step: then interrupted (SIGINT), and killed 20 s later if still running")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
     ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz",
                     help="pack --out into this new file at the end (an existing file is never overwritten)")

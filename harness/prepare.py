@@ -53,7 +53,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     log = log or (lambda message: click.echo(message, err=True))
     check_prompt_set(opts.prompts)
-    control_code, checked_modules = check_control_code(log)
+    control_code, checked_modules, code_notes = check_control_code()
     clock = Clock.start()
     watch = Watch(settings, clock)
     control = get_decoder(opts.control)
@@ -76,6 +76,9 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     for role, dec in roles.items():
         grown = allocated_by(lambda d=dec: reserve_positions(d, positions), dev)
         resident[role] = None if grown is None else max(0, resident[role] + grown)
+    # said once every input is accepted, so that a mistake in one is still a lone `error:` line
+    for line in code_notes:
+        log(line)
     check_loaded_here(control_code, checked_modules, log)
     violations = watch.check("after prepare")
     warmups = {p.id: warmup_ids(opts.seed, i, len(p.token_ids), model.vocab_size, p.token_ids)
@@ -95,18 +98,18 @@ def check_sampling(decoders: dict, sampler) -> None:
                             f"(no sampling = True), so it cannot decode with --sampling {sampler.describe()}")
 
 
-def check_control_code(log) -> tuple[dict, dict[str, str]]:
+def check_control_code() -> tuple[dict, dict[str, str], list[str]]:
     """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
-    is imported; a changed file is named here, recorded in the header, and fails the audit.
-    Returns the header's summary and the closure's module files (``check_loaded_here``)."""
+    is imported; a changed file is recorded in the header and fails the audit. Returns the
+    header's summary, the closure's module files (``check_loaded_here``) and a line per finding
+    for the terminal."""
     from core.provenance import PROCESS_PYCACHE, control_code_header  # runs a fresh interpreter: only when a command runs
 
     # this process imports the control from the interpreter's own pycache, on its own import path
     # (a PYTHONPATH, the current directory): so does the closure
     summary, findings, modules = control_code_header(pycache=PROCESS_PYCACHE, sys_path=list(sys.path))
-    for f in findings:
-        log(f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}")
-    return summary, modules
+    notes = [f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}" for f in findings]
+    return summary, modules, notes
 
 
 def check_loaded_here(summary: dict, modules: dict[str, str], log) -> None:

@@ -373,12 +373,14 @@ def test_other_model_identity_is_refused_replay(stream):
 
 
 def test_device_mismatch_refused_unless_allowed(stream):
+    """Replayed on the CPU that recorded it, a stream that says it was recorded on an H200 (on a
+    machine with a GPU, the recording device's type would otherwise replay it there)."""
     edit(stream, lambda recs: recs[0].update(device={"type": "cuda", "name": "NVIDIA H200"}))
-    result, doc = run_audit(stream)
+    result, doc = run_audit(stream, "--device", "cpu")
     assert result.exit_code == 2 and doc is None
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "NVIDIA H200" in lines[0] and "--allow-device-mismatch" in lines[0]
-    result, doc = run_audit(stream, "--allow-device-mismatch")
+    result, doc = run_audit(stream, "--device", "cpu", "--allow-device-mismatch")
     assert result.exit_code == 0, result.output
     assert [f["severity"] for f in findings(doc, "device")] == ["warn"]
 

@@ -1,6 +1,9 @@
 """bench/run.py and bench/spec_bench.py: configuration names, and what a set asks of the GPU."""
 import importlib.util
 import json
+import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,10 +60,17 @@ def test_replay_workers_fit_the_gpu_memory(run, most, memory, fit):
     assert run.replay_workers(most, memory) == fit
 
 
-def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
+@pytest.mark.parametrize("mps", [False, True])
+def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path, monkeypatch, mps):
+    """The most workers that fit, and again under an MPS daemon where the machine has one."""
+    which = shutil.which
+    monkeypatch.setattr(run.shutil, "which",
+                        lambda name: ("/usr/bin/" + name if mps else None) if name == "nvidia-cuda-mps-control"
+                        else which(name))
     keys = lambda memory: [s.key for s in run.replay_throughput_steps(tmp_path, memory)]  # noqa: E731
-    assert keys(33.0) == ["time", "audit-w1", "audit-w2", "audit-w3", "table"]
-    assert keys(79.6) == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w8", "table"]
+    under_mps = lambda most: [f"audit-mps-w{most}"] if mps else []  # noqa: E731
+    assert keys(33.0) == ["time", "audit-w1", "audit-w2", "audit-w3", *under_mps(3), "table"]
+    assert keys(79.6) == ["time", "audit-w1", "audit-w2", "audit-w4", "audit-w8", *under_mps(8), "table"]
     assert keys(None) == keys(140.4) == keys(79.6)
 
 
@@ -68,8 +78,35 @@ def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path):
                                                 (2, True, []), (1, True, [])])
 def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run, cpus, xdist, spread):
     argv = list(run.suite_step(cpus, xdist).argv)
-    assert argv[1:4] == ["-m", "pytest", "-q"] and "--durations=15" in argv
+    assert argv[1:4] == ["-m", "pytest", "-q"] and "--durations=15" in argv and "--tb=short" in argv
     assert argv[argv.index("--durations=15") + 1:] == spread
+
+
+def spawn_sleeper(ignore_interrupt: bool) -> subprocess.Popen:
+    """A step stand-in in a session of its own, as run_step starts one; it says when it is ready."""
+    code = ("import signal, sys, time\n"
+            f"{'signal.signal(signal.SIGINT, signal.SIG_IGN)' if ignore_interrupt else ''}\n"
+            "print('ready', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.stdout.close()  # it prints nothing more
+    return proc
+
+
+def test_a_step_past_its_time_is_interrupted_first(run):
+    """SIGINT, as Ctrl-C: a step that ends on it (pytest, after printing its failures) is not killed."""
+    proc = spawn_sleeper(ignore_interrupt=False)
+    graces = []
+    run.stop_group(proc.pid, lambda grace: graces.append(grace) or run.wait_for(proc, 60))
+    assert proc.wait(timeout=60) == -signal.SIGINT or proc.returncode == 1  # KeyboardInterrupt's exit
+    assert graces == [run.STOP_GRACE_S]
+
+
+def test_a_step_that_outlives_its_interrupt_is_killed(run):
+    proc = spawn_sleeper(ignore_interrupt=True)
+    run.stop_group(proc.pid, lambda grace: False)  # the grace has passed and it is still there
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    run.stop_group(proc.pid, lambda grace: pytest.fail("a step that is gone was waited for"))
 
 
 def test_profile_idle_gaps_are_the_time_between_busy_intervals_by_length():
