@@ -309,6 +309,40 @@ def test_decoder_arg_errors_name_the_decoder_and_its_arguments(tmp_path, decoder
     assert not out.exists()
 
 
+@pytest.fixture
+def startup_code_note(monkeypatch):
+    """The control-code check finds startup code no distribution owns, as on a machine with a
+    stray ``.pth`` file: a note, which the run records and prints."""
+    import core.provenance
+
+    real = core.provenance.control_code_header
+    note = {"check": "control-startup-code", "severity": "warn", "prompt_id": None,
+            "message": "startup code no distribution owns runs in every interpreter: /site/stray.pth"}
+
+    def with_note(**kwargs):
+        summary, findings, modules = real(**kwargs)
+        return summary, [*findings, note], modules
+
+    monkeypatch.setattr(core.provenance, "control_code_header", with_note)
+    return f"note: control-startup-code: {note['message']}"
+
+
+def test_control_code_notes_wait_until_every_input_is_accepted(tmp_path, startup_code_note):
+    """A mistake in the inputs is still one `error:` line; a run that goes on shows the note
+    after the model loads and the decoders are prepared, before the timing starts."""
+    result = invoke([*time_args(tmp_path / "bad", "serial"), "--decoder-arg", "depth=2"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: decoder 'serial' takes no argument 'depth'")
+
+    result = invoke(time_args(tmp_path / "ok", "serial", legs=1, limit=1, n=2))
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    loading = next(i for i, ln in enumerate(lines) if ln.startswith("loading model "))
+    timing = next(i for i, ln in enumerate(lines) if ln.startswith("timing "))
+    assert lines.index(startup_code_note) in range(loading + 1, timing)
+
+
 def test_prepare_runs_before_the_prompts_load_and_report_says_unaudited(tmp_path, monkeypatch):
     """Both decoders are prepared before the prompt set is loaded (prepare() cannot read it from the
     harness); ``--report`` says the report shows NOT AUDITED until the audit runs."""
