@@ -400,6 +400,7 @@ SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "small-
         "sampling-exact-9b", "retime-9b", "quiet",
         "replay-throughput",
         "cpu-verify", "retime-null", "policy", "tests-cuda", "tests-cuda-shared", "suite")
+XDIST_SETS = ("tests-cuda-shared",)  # sets that need pytest-xdist (`suite` runs in one process without it)
 CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
 
 
@@ -559,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.set in CUDA_SETS and not cuda_available():
         ap.error(f"set {args.set} needs a CUDA GPU, and this machine has none "
                  f"(sets for the CPU: {', '.join(n for n in SETS if n not in CUDA_SETS)})")
+    if args.set in XDIST_SETS and not xdist_installed():
+        ap.error(f"set {args.set} runs pytest across processes, which needs pytest-xdist: "
+                 "pip install -e '.[test]'")
     out = args.out.resolve()
     problem = (check_archive(args.archive.resolve()) if args.archive else None) or check_out(out)
     if problem:

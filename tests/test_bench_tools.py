@@ -221,8 +221,8 @@ def run_main_error(run, capsys, *argv) -> str:
 
 def test_run_refuses_before_any_step_what_cannot_work(run, tmp_path, capsys, monkeypatch):
     """A GPU set on a machine without one, an --out or --archive that cannot be written, an
-    existing archive (never overwritten), an empty --configs, a timeout of 0: one argparse error
-    each, and nothing made."""
+    existing archive (never overwritten), an empty --configs, a timeout of 0, a set that spreads
+    pytest over processes without pytest-xdist: one argparse error each, and nothing made."""
     monkeypatch.setattr(run, "cuda_available", lambda: False)
     monkeypatch.setattr(run, "run_step", lambda *a: pytest.fail("a step ran"))
     out = tmp_path / "out"
@@ -236,6 +236,9 @@ def test_run_refuses_before_any_step_what_cannot_work(run, tmp_path, capsys, mon
                                                         "--archive", "/proc/x.tgz")
     assert "names no configuration" in run_main_error(run, capsys, "retime-9b", "--out", str(out), "--configs", ",")
     assert "above 0" in run_main_error(run, capsys, "policy", "--out", str(out), "--timeout", "0")
+    monkeypatch.setattr(run, "cuda_available", lambda: True)
+    monkeypatch.setattr(run, "xdist_installed", lambda: False)
+    assert "needs pytest-xdist" in run_main_error(run, capsys, "tests-cuda-shared", "--out", str(out))
     assert not out.exists()
 
 
