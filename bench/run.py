@@ -77,7 +77,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               pytest -q -m cuda across 4 processes on the one GPU (pytest-xdist), so that each
               CUDA test runs while others load the card
   suite       pytest -q, the whole suite: in half the CPUs' worth of processes where pytest-xdist
-              is installed (the `test` extra), else in one; its 15 slowest tests named
+              is installed (the `test` extra), else in one; its 15 slowest tests named. In two
+              parts, every other test file each, for calls too short for all of it: --configs
+              1of2, then --configs 2of2
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
@@ -316,15 +318,29 @@ def suite_jobs(cpus: int) -> int:
     return max(1, cpus // 2)
 
 
-def suite_step(cpus: int, xdist: bool) -> Step:
-    """The whole suite, its slowest tests named; spread over processes test by test (pytest-xdist's
-    worksteal: a file's tests may land on several processes, each building the fixtures it needs)
-    where pytest-xdist is installed and more than one process is worth starting."""
+SUITE_PARTS = ("1of2", "2of2")  # --configs of `suite`: one 10-minute GPU call may not hold it all
+
+
+def suite_files(part: str) -> list[str]:
+    """Part k of n (``"KofN"``) of the suite: every n-th test file in name order from the k-th, so
+    that the n parts hold every file once."""
+    k, n = (int(x) for x in part.split("of"))
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    return files[k - 1::n]
+
+
+def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
+    """The whole suite (or one ``part`` of it), its slowest tests named; spread over processes test
+    by test (pytest-xdist's worksteal: a file's tests may land on several processes, each building
+    the fixtures it needs) where pytest-xdist is installed and more than one process is worth
+    starting."""
     argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
-    return Step("pytest", tuple(argv))
+    if part is None:
+        return Step("pytest", tuple(argv))
+    return Step(f"pytest-{part}", (*argv, *suite_files(part)))
 
 
 def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
@@ -389,7 +405,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-m", "cuda",
                                 "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
     if name == "suite":
-        return [suite_step(os.cpu_count() or 1, xdist_installed())]
+        cpus, xdist = os.cpu_count() or 1, xdist_installed()
+        return [suite_step(cpus, xdist, part) for part in configs] if configs else [suite_step(cpus, xdist)]
     raise KeyError(name)
 
 
@@ -401,7 +418,8 @@ SETS = ("runtime", "probe", "profile", "gemm-stack", "table", "targets", "small-
         "replay-throughput",
         "cpu-verify", "retime-null", "policy", "tests-cuda", "tests-cuda-shared", "suite")
 XDIST_SETS = ("tests-cuda-shared",)  # sets that need pytest-xdist (`suite` runs in one process without it)
-CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B)}
+CONFIGURABLE = {"table": TABLE_CONFIGS, "targets": TARGET_CONFIGS, "small-real": SMALL_CONFIGS, "retime-9b": tuple(RETIME_9B),
+                "suite": SUITE_PARTS}
 
 
 def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | None, float]:
@@ -548,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = None
     if args.configs is not None:
         if args.set not in CONFIGURABLE:
-            ap.error(f"--configs applies to {' and '.join(CONFIGURABLE)} only")
+            ap.error(f"--configs applies to {', '.join(CONFIGURABLE)} only")
         configs = [c for c in args.configs.split(",") if c]
         if not configs:
             ap.error("--configs names no configuration")

@@ -82,6 +82,17 @@ def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run,
     assert argv[argv.index("--durations=15") + 1:] == spread
 
 
+def test_the_suites_two_parts_hold_every_test_file_once(run, tmp_path):
+    every = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    parts = [run.suite_files(part) for part in run.SUITE_PARTS]
+    assert sorted(f for files in parts for f in files) == every and all(parts)
+    steps = run.set_steps("suite", tmp_path, list(run.SUITE_PARTS))
+    assert [s.key for s in steps] == ["pytest-1of2", "pytest-2of2"]
+    assert [list(s.argv[-len(files):]) for s, files in zip(steps, parts)] == parts
+    (whole,) = run.set_steps("suite", tmp_path, None)
+    assert not any(a.startswith("tests/") for a in whole.argv)
+
+
 def spawn_sleeper(ignore_interrupt: bool) -> subprocess.Popen:
     """A step stand-in in a session of its own, as run_step starts one; it says when it is ready."""
     code = ("import signal, sys, time\n"
