@@ -53,7 +53,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
 
     log = log or (lambda message: click.echo(message, err=True))
     check_prompt_set(opts.prompts)
-    control_code, checked_modules, code_notes = check_control_code()
+    control_code, checked_modules, code_notes = check_control_code(log)
     clock = Clock.start()
     watch = Watch(settings, clock)
     control = get_decoder(opts.control)
@@ -76,7 +76,7 @@ def prepare_run(opts: TimeOptions, settings: dict, log=None) -> Setup:
     for role, dec in roles.items():
         grown = allocated_by(lambda d=dec: reserve_positions(d, positions), dev)
         resident[role] = None if grown is None else max(0, resident[role] + grown)
-    # said once every input is accepted, so that a mistake in one is still a lone `error:` line
+    # notes wait until every input is accepted, so that a mistake in one is still a lone `error:` line
     for line in code_notes:
         log(line)
     check_loaded_here(control_code, checked_modules, log)
@@ -98,18 +98,20 @@ def check_sampling(decoders: dict, sampler) -> None:
                             f"(no sampling = True), so it cannot decode with --sampling {sampler.describe()}")
 
 
-def check_control_code() -> tuple[dict, dict[str, str], list[str]]:
+def check_control_code(log) -> tuple[dict, dict[str, str], list[str]]:
     """The control's import closure against git HEAD and the libraries' RECORDs, before any decoder
-    is imported; a changed file is recorded in the header and fails the audit. Returns the
-    header's summary, the closure's module files (``check_loaded_here``) and a line per finding
-    for the terminal."""
+    is imported. A changed file is named at once, since the run will fail its audit, and recorded
+    in the header. Returns the header's summary, the closure's module files
+    (``check_loaded_here``) and a line per note (a finding that fails nothing), to say later."""
     from core.provenance import PROCESS_PYCACHE, control_code_header  # runs a fresh interpreter: only when a command runs
 
     # this process imports the control from the interpreter's own pycache, on its own import path
     # (a PYTHONPATH, the current directory): so does the closure
     summary, findings, modules = control_code_header(pycache=PROCESS_PYCACHE, sys_path=list(sys.path))
-    notes = [f"{'WARNING' if f['severity'] == 'fail' else 'note'}: {f['check']}: {f['message']}" for f in findings]
-    return summary, modules, notes
+    for f in findings:
+        if f["severity"] == "fail":
+            log(f"WARNING: {f['check']}: {f['message']}")
+    return summary, modules, [f"note: {f['check']}: {f['message']}" for f in findings if f["severity"] != "fail"]
 
 
 def check_loaded_here(summary: dict, modules: dict[str, str], log) -> None:

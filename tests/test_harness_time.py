@@ -309,22 +309,27 @@ def test_decoder_arg_errors_name_the_decoder_and_its_arguments(tmp_path, decoder
     assert not out.exists()
 
 
+def add_control_code_finding(monkeypatch, severity: str, check: str, message: str) -> None:
+    """The control-code check's findings as the harness reads them, with one more."""
+    import core.provenance
+
+    real = core.provenance.control_code_header
+    extra = {"check": check, "severity": severity, "prompt_id": None, "message": message}
+
+    def with_finding(**kwargs):
+        summary, findings, modules = real(**kwargs)
+        return summary, [*findings, extra], modules
+
+    monkeypatch.setattr(core.provenance, "control_code_header", with_finding)
+
+
 @pytest.fixture
 def startup_code_note(monkeypatch):
     """The control-code check finds startup code no distribution owns, as on a machine with a
     stray ``.pth`` file: a note, which the run records and prints."""
-    import core.provenance
-
-    real = core.provenance.control_code_header
-    note = {"check": "control-startup-code", "severity": "warn", "prompt_id": None,
-            "message": "startup code no distribution owns runs in every interpreter: /site/stray.pth"}
-
-    def with_note(**kwargs):
-        summary, findings, modules = real(**kwargs)
-        return summary, [*findings, note], modules
-
-    monkeypatch.setattr(core.provenance, "control_code_header", with_note)
-    return f"note: control-startup-code: {note['message']}"
+    message = "startup code no distribution owns runs in every interpreter: /site/stray.pth"
+    add_control_code_finding(monkeypatch, "warn", "control-startup-code", message)
+    return f"note: control-startup-code: {message}"
 
 
 def test_control_code_notes_wait_until_every_input_is_accepted(tmp_path, startup_code_note):
@@ -341,6 +346,15 @@ def test_control_code_notes_wait_until_every_input_is_accepted(tmp_path, startup
     loading = next(i for i, ln in enumerate(lines) if ln.startswith("loading model "))
     timing = next(i for i, ln in enumerate(lines) if ln.startswith("timing "))
     assert lines.index(startup_code_note) in range(loading + 1, timing)
+
+
+def test_changed_control_code_is_named_before_anything_else(tmp_path, monkeypatch):
+    """The run will fail its audit: that is said at once, before a mistake in the inputs too."""
+    add_control_code_finding(monkeypatch, "fail", "control-code-modified", "1 file of the control differs")
+    result = invoke([*time_args(tmp_path / "bad", "serial"), "--decoder-arg", "depth=2"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[0] == "WARNING: control-code-modified: 1 file of the control differs"
+    assert result.stderr.strip().splitlines()[-1].startswith("error: decoder 'serial' takes no argument")
 
 
 def test_prepare_runs_before_the_prompts_load_and_report_says_unaudited(tmp_path, monkeypatch):
