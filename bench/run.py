@@ -309,6 +309,8 @@ def xdist_installed() -> bool:
     return importlib.util.find_spec("xdist") is not None
 
 
+# pytest as the suite's sets run it: no cache written into the checkout, failures in short form
+PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short")
 SHARED_CUDA_PROCESSES = 4  # tests-cuda-shared: test processes on the one GPU at once
 
 
@@ -334,7 +336,7 @@ def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
     by test (pytest-xdist's worksteal: a file's tests may land on several processes, each building
     the fixtures it needs) where pytest-xdist is installed and more than one process is worth
     starting."""
-    argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "--durations=15"]
+    argv = [*PYTEST, "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
@@ -402,8 +404,7 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "tests-cuda-shared":
-        return [Step("pytest", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-m", "cuda",
-                                "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
+        return [Step("pytest", (*PYTEST, "-m", "cuda", "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
     if name == "suite":
         cpus, xdist = os.cpu_count() or 1, xdist_installed()
         return [suite_step(cpus, xdist, part) for part in configs] if configs else [suite_step(cpus, xdist)]
@@ -456,7 +457,8 @@ STOP_GRACE_S = 20.0  # an interrupted step's time to say what it has (pytest: it
 def stop_group(pgid: int, gone_within, grace: float = STOP_GRACE_S) -> None:
     """Stop a step past its time: SIGINT to its process group first, as Ctrl-C would, so that
     pytest prints the failures it has met and a harness or audit run removes what it had begun;
-    SIGKILL if anything is left after ``grace`` seconds (``gone_within(grace)`` says whether it went)."""
+    SIGKILL to the group if the step has not ended ``grace`` seconds later (``gone_within(grace)``
+    waits that long and says whether it ended)."""
     try:
         os.killpg(pgid, signal.SIGINT)
         if gone_within(grace):
@@ -546,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"one of: {', '.join(SETS)} (these need a CUDA GPU: {', '.join(CUDA_SETS)})")
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
-                    help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations")
+                    help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations; "
+                         "suite: 1of2 or 2of2, every other test file")
     ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS",
                     help="limit per step: then interrupted (SIGINT), and killed 20 s later if still running")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
