@@ -427,12 +427,31 @@ def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial
     """At T in {0.3, 0.6, 1.0}, with and without top-k / top-p / min-p, every token equals the
     serial control's under the same sampler, through the graphed steps, windows, rollbacks,
     coupled drafts and graphed picks; greedy after sampling is still the greedy stream."""
-    prompts, want = sampled_serial_tokens
     dec = get_decoder(name, **kwargs)
     dec.prepare(models["tiny"])
     assert dec.config()["graphs"] is True and dec.sampling
     if name != "fast-serial":  # graphed runtime: a window's rows in one call unless asked otherwise
         assert dec.config()["lazy_rows"] is kwargs.get("lazy_rows", False)
+    assert_samples_as_serial(dec, sampled_serial_tokens, serial_tokens, drafts_kept=name == "spec-instrument" and "depth" in kwargs)
+
+
+@pytest.mark.parametrize("spread", [True, False])
+@pytest.mark.parametrize("kwargs", [{"alpha": 0.8, "depth": 4, "lazy_rows": True}, {"alpha": 0.8, "depth": 3}])
+def test_sampling_is_exact_whichever_way_the_eager_rows_run(models, sampled_serial_tokens, serial_tokens, kwargs, spread):
+    """``measure_costs`` picks by timing whether a window's eager attention rows run on the lanes
+    or in order, so a loaded card may take the way an idle one never does: both, forced, sample
+    as the serial control does."""
+    dec = get_decoder("spec-instrument", **kwargs)
+    dec.prepare(models["tiny"])
+    assert dec.runtime.lanes.width > 1
+    dec.runtime.spread_eager_rows(spread)
+    assert dec.config()["eager_rows_on_lanes"] is spread
+    assert_samples_as_serial(dec, sampled_serial_tokens, serial_tokens, drafts_kept=True)
+
+
+def assert_samples_as_serial(dec, sampled_serial_tokens, serial_tokens, drafts_kept: bool) -> None:
+    """Every sampled decode, twice, and then a greedy one, equal the serial control's tokens."""
+    prompts, want = sampled_serial_tokens
     accepted = 0
     for sampler in SAMPLED:
         for ids, ref in zip(prompts, want[sampler]):
@@ -440,7 +459,7 @@ def test_decoders_sample_as_serial_on_cuda(models, sampled_serial_tokens, serial
                 res = dec.decode(ids, 64, sampler=sampler)
                 assert res.tokens == ref, (sampler, ids[:4])
             accepted += res.stats.accepted
-    if name == "spec-instrument" and "depth" in kwargs:
+    if drafts_kept:
         assert accepted > 0
     greedy_prompts, greedy_want = serial_tokens
     assert dec.decode(greedy_prompts[0], 96).tokens == greedy_want[0]
