@@ -404,7 +404,9 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
     if name == "tests-cuda":
         return [Step("pytest", (PY, "-m", "pytest", "-q", "-m", "cuda"))]
     if name == "tests-cuda-shared":
-        return [Step("pytest", (*PYTEST, "-m", "cuda", "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
+        # -v names the process each test ran in, and in what order: a failure that depends on what
+        # its process ran before can then be replayed in that order
+        return [Step("pytest", (*PYTEST, "-v", "-m", "cuda", "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
     if name == "suite":
         cpus, xdist = os.cpu_count() or 1, xdist_installed()
         return [suite_step(cpus, xdist, part) for part in configs] if configs else [suite_step(cpus, xdist)]
