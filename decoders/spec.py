@@ -119,6 +119,7 @@ class PhaseTimer:
 
     def result(self) -> dict[str, float]:
         for name, a, b in self.marks:
+            b.synchronize()  # the decode's last phase (its rollback) may still be queued on a busy GPU
             self.totals[name] = self.totals.get(name, 0.0) + a.elapsed_time(b) / 1e3
         self.marks.clear()
         return dict(self.totals)
