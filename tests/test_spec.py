@@ -16,7 +16,7 @@ from core.sampling import GREEDY, Sampler
 from decoders.policy import Costs
 from decoders.sampled import settings
 from decoders.serial import SerialDecoder
-from decoders.spec import InstrumentedSpecDecoder, SpecDecoder, accepted_prefix
+from decoders.spec import InstrumentedSpecDecoder, PhaseTimer, SpecDecoder, accepted_prefix
 from fixtures.prompts import DEV_PROMPTS
 
 
@@ -376,3 +376,29 @@ def test_the_head_is_handed_every_rows_own_hidden_state_and_next_token(tiny, pro
         assert nxt == stream[a + 1:a + 1 + len(nxt)]
         for r in range(len(nxt)):
             assert torch.equal(hidden[r], made[a + r]), (a, r)
+
+
+class _QueuedEvent:
+    """A CUDA event's timing behaviour: ``elapsed_time`` refuses until the end event has run,
+    which ``synchronize`` waits for (a busy GPU may not have run it when the decode returns)."""
+
+    def __init__(self, at: float):
+        self.at, self.done = at, False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: "_QueuedEvent") -> float:
+        if not end.done:
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end.at - self.at) * 1e3
+
+
+def test_phase_times_wait_for_work_still_queued():
+    """``PhaseTimer.result`` reads each phase's events only once its end event has run: the last
+    round's rollback is queued after the tokens are read, and on a loaded GPU it can still be
+    waiting when the decode asks for its times."""
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.marks = [("verify", _QueuedEvent(0.0), _QueuedEvent(0.002)), ("rollback", _QueuedEvent(0.002), _QueuedEvent(0.0025))]
+    assert timer.result() == pytest.approx({"verify": 0.002, "rollback": 0.0005})
+    assert timer.marks == []
