@@ -309,8 +309,10 @@ def xdist_installed() -> bool:
     return importlib.util.find_spec("xdist") is not None
 
 
-# pytest as the suite's sets run it: no cache written into the checkout, failures in short form
-PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short")
+# pytest as the suite's sets run it: no cache written into the checkout, failures in short form,
+# and not -q, so that a log shows how many tests there are and how far a run cut by --timeout got
+# (the "[N items]" line and each line's percentage)
+PYTEST = (PY, "-m", "pytest", "-p", "no:cacheprovider", "--tb=short")
 SHARED_CUDA_PROCESSES = 4  # tests-cuda-shared: test processes on the one GPU at once
 
 
