@@ -74,9 +74,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               the costs a 9B run recorded on the H200
   tests-cuda  pytest -q -m cuda
   tests-cuda-shared
-              pytest -q -m cuda across 4 processes on the one GPU (pytest-xdist), so that each
-              CUDA test runs while others load the card
-  suite       pytest -q, the whole suite: in half the CPUs' worth of processes where pytest-xdist
+              pytest -v -m cuda across 4 processes on the one GPU (pytest-xdist), so that each
+              CUDA test runs while others load the card; -v names each test's process
+  suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in half the CPUs' worth of processes where pytest-xdist
               is installed (the `test` extra), else in one; its 15 slowest tests named. In two
               parts, every other test file each, for calls too short for all of it: --configs
               1of2, then --configs 2of2
