@@ -76,10 +76,10 @@ Sets (``python bench/run.py --list`` prints them with their commands):
   tests-cuda-shared
               pytest -v -m cuda across 4 processes on the one GPU (pytest-xdist), so that each
               CUDA test runs while others load the card; -v names each test's process
-  suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in half the CPUs' worth of processes where pytest-xdist
-              is installed (the `test` extra), else in one; its 15 slowest tests named. In two
-              parts, every other test file each, for calls too short for all of it: --configs
-              1of2, then --configs 2of2
+  suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in
+              half the CPUs' worth of processes where pytest-xdist is installed (the `test`
+              extra), else in one; its 15 slowest tests named. In two parts, every other test
+              file each, for calls too short for all of it: --configs 1of2, then --configs 2of2
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow

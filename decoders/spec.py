@@ -118,8 +118,11 @@ class PhaseTimer:
         self.totals[name] = self.totals.get(name, 0.0) + seconds
 
     def result(self) -> dict[str, float]:
+        if self.marks:
+            # the last phase (the final rollback) may still be queued on a busy GPU; the events were
+            # recorded on one stream, so once the last has run every earlier one has
+            self.marks[-1][2].synchronize()
         for name, a, b in self.marks:
-            b.synchronize()  # the decode's last phase (its rollback) may still be queued on a busy GPU
             self.totals[name] = self.totals.get(name, 0.0) + a.elapsed_time(b) / 1e3
         self.marks.clear()
         return dict(self.totals)

@@ -379,17 +379,18 @@ def test_the_head_is_handed_every_rows_own_hidden_state_and_next_token(tiny, pro
 
 
 class _QueuedEvent:
-    """A CUDA event's timing behaviour: ``elapsed_time`` refuses until the end event has run,
-    which ``synchronize`` waits for (a busy GPU may not have run it when the decode returns)."""
+    """A CUDA event's timing behaviour on one stream: ``elapsed_time`` refuses until the end event
+    has run, and ``synchronize`` waits for the event and so for every event recorded before it (a
+    busy GPU may not have run them when the decode returns)."""
 
-    def __init__(self, at: float):
-        self.at, self.done = at, False
+    def __init__(self, stream: dict, at: float):
+        self.stream, self.at = stream, at
 
     def synchronize(self) -> None:
-        self.done = True
+        self.stream["ran_to"] = max(self.stream["ran_to"], self.at)
 
     def elapsed_time(self, end: "_QueuedEvent") -> float:
-        if not end.done:
+        if end.at > self.stream["ran_to"]:
             raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return (end.at - self.at) * 1e3
 
@@ -399,6 +400,8 @@ def test_phase_times_wait_for_work_still_queued():
     round's rollback is queued after the tokens are read, and on a loaded GPU it can still be
     waiting when the decode asks for its times."""
     timer = PhaseTimer(torch.device("cpu"))
-    timer.marks = [("verify", _QueuedEvent(0.0), _QueuedEvent(0.002)), ("rollback", _QueuedEvent(0.002), _QueuedEvent(0.0025))]
+    stream = {"ran_to": -1.0}
+    at = [_QueuedEvent(stream, t) for t in (0.0, 0.002, 0.002, 0.0025)]
+    timer.marks = [("verify", at[0], at[1]), ("rollback", at[2], at[3])]
     assert timer.result() == pytest.approx({"verify": 0.002, "rollback": 0.0005})
     assert timer.marks == []
