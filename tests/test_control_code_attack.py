@@ -34,8 +34,8 @@ from audit_helpers import claim_refused
 
 REPO = Path(__file__).resolve().parents[1]
 # per decode call of the slowed control (a tiny model's 12-token decode takes 10-100 ms): a claim
-# of several times, beyond the judge's allowance (35% above its interval's top) even when a
-# loaded host widens that interval to [0.85, 2.1]; the judge's margin is tested in test_retime_judge
+# of several times, beyond the judge's allowance (CLAIM_MARGIN above its interval's top) even when
+# a loaded host widens that interval; the margin itself is tested in test_retime_judge
 SLOW_S = 0.5
 
 PAYLOAD = f'''
