@@ -78,8 +78,9 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               CUDA test runs while others load the card; -v names each test's process
   suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in
               half the CPUs' worth of processes where pytest-xdist is installed (the `test`
-              extra), else in one; its 15 slowest tests named. In two parts, every other test
-              file each, for calls too short for all of it: --configs 1of2, then --configs 2of2
+              extra), else in one; its 15 slowest tests named. In parts, for calls too short for
+              all of it: --configs 1of2, then 2of2 (every other test file each), or 1of3, 2of3
+              and 3of3 (every third)
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
@@ -322,7 +323,10 @@ def suite_jobs(cpus: int) -> int:
     return max(1, cpus // 2)
 
 
-SUITE_PARTS = ("1of2", "2of2")  # --configs of `suite`: one 10-minute GPU call may not hold it all
+# --configs of `suite`, in halves or thirds: one 10-minute GPU call may not hold it all, and a call
+# that starts with less device time left may not hold half
+SUITE_SPLITS = (2, 3)
+SUITE_PARTS = tuple(f"{k}of{n}" for n in SUITE_SPLITS for k in range(1, n + 1))
 
 
 def suite_files(part: str) -> list[str]:
@@ -553,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="output directory (bench/out/NAME is ignored by git)")
     ap.add_argument("--configs", default=None,
                     help="table / targets / small-real / retime-9b: a comma-separated subset of the configurations; "
-                         "suite: 1of2 or 2of2, every other test file")
+                         "suite: 1of2 or 2of2 (every other test file), or 1of3, 2of3 or 3of3 (every third)")
     ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS",
                     help="limit per step: then interrupted (SIGINT), and killed 20 s later if still running")
     ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")

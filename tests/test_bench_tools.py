@@ -83,12 +83,15 @@ def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run,
     assert argv[argv.index("--durations=15") + 1:] == spread
 
 
-def test_the_suites_two_parts_hold_every_test_file_once(run, tmp_path):
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_suites_parts_hold_every_test_file_once(run, tmp_path, n):
     every = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
-    parts = [run.suite_files(part) for part in run.SUITE_PARTS]
+    names = [f"{k}of{n}" for k in range(1, n + 1)]
+    assert set(names) <= set(run.SUITE_PARTS)
+    parts = [run.suite_files(part) for part in names]
     assert sorted(f for files in parts for f in files) == every and all(parts)
-    steps = run.set_steps("suite", tmp_path, list(run.SUITE_PARTS))
-    assert [s.key for s in steps] == ["pytest-1of2", "pytest-2of2"]
+    steps = run.set_steps("suite", tmp_path, names)
+    assert [s.key for s in steps] == [f"pytest-{name}" for name in names]
     assert [list(s.argv[-len(files):]) for s, files in zip(steps, parts)] == parts
     (whole,) = run.set_steps("suite", tmp_path, None)
     assert not any(a.startswith("tests/") for a in whole.argv)
