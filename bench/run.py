@@ -341,8 +341,9 @@ def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
     """The whole suite (or one ``part`` of it), its slowest tests named; spread over processes test
     by test (pytest-xdist's worksteal: a file's tests may land on several processes, each building
     the fixtures it needs) where pytest-xdist is installed and more than one process is worth
-    starting."""
-    argv = [*PYTEST, "--durations=15"]
+    starting. -v names each test as it ends, so the log of a run cut by --timeout says which tests
+    it never reached."""
+    argv = [*PYTEST, "-v", "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
