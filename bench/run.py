@@ -78,9 +78,11 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               CUDA test runs while others load the card; -v names each test's process
   suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in
               half the CPUs' worth of processes where pytest-xdist is installed (the `test`
-              extra), else in one; its 15 slowest tests named. In parts, for calls too short for
-              all of it: --configs 1of2, then 2of2 (every other test file each), or 1of3, 2of3
-              and 3of3 (every third)
+              extra), else in one; its 15 slowest tests named, and each test as it ends (-v). In
+              parts, for calls too short for all of it: --configs 1of2, then 2of2 (every other
+              test file each), or 1of3, 2of3 and 3of3 (every third). With --resume, a part whose
+              logs are in DIR runs only the tests they never reached (a run cut by --timeout), as
+              STEP-restN, and counts as failed if a log names a failure
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
@@ -91,7 +93,8 @@ line).
 
 A GPU call is limited in time, so `table` can be run in parts (``--configs``) into one DIR;
 ``--resume`` skips configurations whose stream is already there, and the audit and the table
-always cover everything in DIR/table. Directory names such as ``spec@fs`` may not survive a
+always cover everything in DIR/table. The suite's parts resume test by test: the logs already in
+DIR/logs say which tests ended, and only the others run. Directory names such as ``spec@fs`` may not survive a
 transfer tool: ``--archive FILE.tgz`` packs DIR into one file at the end.
 """
 from __future__ import annotations
@@ -112,7 +115,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))  # its scripts' shared modules, when this file is imported
+
 from core.paths import nearest_existing, try_new_file  # noqa: E402
+from suite_logs import SUITE_PARTS, collected, part_logs, rest, suite_files  # noqa: E402
 PY = sys.executable
 SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never the benchmark prompts
 
@@ -138,11 +144,13 @@ TARGET_NEW = {"inst-0.85@fs": 512}  # the issue's alpha-0.85 row is 512 new toke
 @dataclass(frozen=True)
 class Step:
     """One command of a set. ``key`` names its log; ``done`` (a path relative to DIR) skips the step
-    under --resume; ``ok`` are the exit codes that count as success."""
+    under --resume; ``ok`` are the exit codes that count as success; ``failed_before``: tests an
+    earlier run of the step failed, which make it count as failed whatever its exit."""
     key: str
     argv: tuple[str, ...]
     done: str | None = None
     ok: tuple[int, ...] = (0,)
+    failed_before: tuple[str, ...] = ()
 
 
 def spec_bench_steps(out: str, configs: list[str], common: list[str], new_tokens: dict | None = None,
@@ -323,36 +331,40 @@ def suite_jobs(cpus: int) -> int:
     return max(1, cpus // 2)
 
 
-# --configs of `suite`, in halves or thirds: one 10-minute GPU call may not hold it all, and a call
-# that starts with less device time left may not hold half
-SUITE_SPLITS = (2, 3)
-SUITE_PARTS = tuple(f"{k}of{n}" for n in SUITE_SPLITS for k in range(1, n + 1))
-
-
-def suite_files(part: str) -> list[str]:
-    """Part k of n (``"KofN"``) of the suite: every n-th test file in name order from the k-th, so
-    that the n parts hold every file once."""
-    k, n = (int(x) for x in part.split("of"))
-    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
-    return files[k - 1::n]
-
-
 def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
     """The whole suite (or one ``part`` of it), its slowest tests named; spread over processes test
     by test (pytest-xdist's worksteal: a file's tests may land on several processes, each building
     the fixtures it needs) where pytest-xdist is installed and more than one process is worth
     starting. -v names each test as it ends, so the log of a run cut by --timeout says which tests
     it never reached."""
+    key = f"pytest-{part}" if part else "pytest"
+    return pytest_step(key, cpus, xdist, suite_files(part) if part else [])
+
+
+def pytest_step(key: str, cpus: int, xdist: bool, tests: list[str], failed_before: tuple[str, ...] = ()) -> Step:
     argv = [*PYTEST, "-v", "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
-    if part is None:
-        return Step("pytest", tuple(argv))
-    return Step(f"pytest-{part}", (*argv, *suite_files(part)))
+    return Step(key, (*argv, *tests), failed_before=failed_before)
 
 
-def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
+def suite_rest_step(cpus: int, xdist: bool, part: str | None, logs: Path) -> Step:
+    """Under --resume: the step that runs the tests of ``part`` (the whole suite where None) that
+    none of its logs in ``logs`` reached, as ``KEY-restN``; kept (its ``done`` the last log) where
+    they reached every one; the step as first planned where there is no log yet. Tests a log names
+    as failed are not run again: the step carries them and counts as failed."""
+    first = suite_step(cpus, xdist, part)
+    earlier = part_logs(logs, first.key)
+    if not earlier:
+        return first
+    left, failed = rest(collected(PYTEST, suite_files(part) if part else []), earlier)
+    if not left:
+        return Step(first.key, first.argv, done=f"logs/{earlier[-1].name}", failed_before=tuple(failed))
+    return pytest_step(f"{first.key}-rest{len(earlier)}", cpus, xdist, left, tuple(failed))
+
+
+def set_steps(name: str, out: Path, configs: list[str] | None, resume: bool = False) -> list[Step]:
     if name == "runtime":
         return [Step("runtime", (PY, "bench/runtime_bench.py", "--model", "synthetic-9b", "--positions", "256",
                                  "--lanes", "1,1:unstacked,auto,auto:unstacked", "--json", str(out / "runtime.json")))]
@@ -416,6 +428,8 @@ def set_steps(name: str, out: Path, configs: list[str] | None) -> list[Step]:
         return [Step("pytest", (*PYTEST, "-v", "-m", "cuda", "-n", str(SHARED_CUDA_PROCESSES), "--dist", "worksteal"))]
     if name == "suite":
         cpus, xdist = os.cpu_count() or 1, xdist_installed()
+        if resume:  # each part's rest: the tests its logs in DIR never reached
+            return [suite_rest_step(cpus, xdist, part, out / "logs") for part in configs or [None]]
         return [suite_step(cpus, xdist, part) for part in configs] if configs else [suite_step(cpus, xdist)]
     raise KeyError(name)
 
@@ -561,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                          "suite: 1of2 or 2of2 (every other test file), or 1of3, 2of3 or 3of3 (every third)")
     ap.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS",
                     help="limit per step: then interrupted (SIGINT), and killed 20 s later if still running")
-    ap.add_argument("--resume", action="store_true", help="skip configurations whose stream is already in --out")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip configurations whose stream is already in --out; suite: run only the tests that "
+                         "the part's logs in --out never reached (as STEP-restN), none that a log names as failed")
     ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tgz",
                     help="pack --out into this new file at the end (an existing file is never overwritten)")
     ap.add_argument("--list", action="store_true", help="print every set's commands and exit")
@@ -601,14 +617,20 @@ def main(argv: list[str] | None = None) -> int:
     (out / "host.txt").write_text(host_description(), encoding="utf-8")
     print((out / "host.txt").read_text(), end="", flush=True)
 
-    steps = set_steps(args.set, out, configs)
+    try:
+        steps = set_steps(args.set, out, configs, args.resume)
+    except RuntimeError as exc:  # the suite's tests could not be collected to find a part's rest
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     results = []  # (key, status, seconds, succeeded)
     for step in steps:
+        before = f" ({len(step.failed_before)} failed before)" if step.failed_before else ""
         if args.resume and step.done and (out / step.done).is_file():
-            results.append((step.key, "kept (--resume)", 0.0, True))
+            results.append((step.key, f"kept (--resume){before}", 0.0, not step.failed_before))
             continue
         rc, seconds = run_step(step, out / "logs" / f"{step.key}.log", args.timeout)
-        results.append((step.key, "timed out" if rc is None else f"exit {rc}", seconds, rc in step.ok))
+        status = "timed out" if rc is None else f"exit {rc}"
+        results.append((step.key, status + before, seconds, rc in step.ok and not step.failed_before))
 
     if args.archive:
         args.archive.parent.mkdir(parents=True, exist_ok=True)
@@ -619,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     width = max(28, *(len(r[0]) for r in results))
     for key, status, seconds, succeeded in results:
         print(f"  {key:{width}s} {status:16s} {seconds:7.1f} s{'' if succeeded else '  FAILED'}")
+    for step in steps:
+        for test in step.failed_before:
+            print(f"  {step.key}: failed in an earlier log: {test}")
     final = out / "logs" / f"{steps[-1].key}.log"
     print(f"\n== {args.set}: table ({final.relative_to(out)})")
     print(last_table(final.read_text(encoding="utf-8")) if final.is_file() else "(final step did not run)")

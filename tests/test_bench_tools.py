@@ -98,6 +98,59 @@ def test_the_suites_parts_hold_every_test_file_once(run, tmp_path, n):
     assert not any(a.startswith("tests/") for a in whole.argv)
 
 
+def test_a_log_names_each_test_it_reached_with_its_outcome():
+    suite_logs = load("suite_logs")
+    log = "\n".join([
+        "8 workers [5 items]",
+        "tests/test_a.py::test_one ",  # begun, not ended: not reached
+        "[gw1] [ 20%] PASSED tests/test_a.py::test_one ",
+        "[gw0] [ 40%] SKIPPED tests/test_a.py::test_two[x-'1.5' is not a valid integer.] ",
+        "[gw2] [ 60%] PASSED tests/test_b.py::test_three ",
+        "[gw2] [ 60%] ERROR tests/test_b.py::test_three ",  # its teardown failed after the call passed
+        "tests/test_b.py::test_four[a b] FAILED                                   [ 80%]",
+        "tests/test_b.py::test_five ",
+        "!!!! KeyboardInterrupt !!!!",
+    ])
+    assert suite_logs.reached(log) == {"tests/test_a.py::test_one": "PASSED",
+                                       "tests/test_a.py::test_two[x-'1.5' is not a valid integer.]": "SKIPPED",
+                                       "tests/test_b.py::test_three": "ERROR",
+                                       "tests/test_b.py::test_four[a b]": "FAILED"}
+
+
+def test_resume_runs_only_the_tests_a_parts_logs_never_reached_and_keeps_their_failures(run, tmp_path, monkeypatch,
+                                                                                        capsys):
+    part = ["tests/test_paths.py"]
+    monkeypatch.setattr(run, "suite_files", lambda name: part)
+    monkeypatch.setattr(run, "xdist_installed", lambda: False)
+    ids = run.collected(run.PYTEST, part)
+    assert len(ids) >= 3
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    first = logs / "pytest-1of3.log"
+    first.write_text(f"[gw0] [ 10%] PASSED {ids[0]} \n[gw1] [ 20%] FAILED {ids[1]} \n{ids[2]} \n")
+    assert run.main(["suite", "--configs", "1of3", "--out", str(tmp_path), "--resume"]) == 1  # the failure stands
+    shown = capsys.readouterr().out
+    assert "pytest-1of3-rest1" in shown and "(1 failed before)" in shown
+    assert f"failed in an earlier log: {ids[1]}" in shown
+    again = load("suite_logs").reached((logs / "pytest-1of3-rest1.log").read_text())
+    assert sorted(again) == sorted(ids[2:]) and set(again.values()) == {"PASSED"}  # ran the rest, no more
+    assert first.read_text().endswith(f"{ids[2]} \n")  # the first log is kept as it was
+    assert run.main(["suite", "--configs", "1of3", "--out", str(tmp_path), "--resume"]) == 1
+    assert "kept (--resume) (1 failed before)" in capsys.readouterr().out
+    assert sorted(p.name for p in logs.iterdir()) == ["pytest-1of3-rest1.log", "pytest-1of3.log"]
+    first.write_text(first.read_text().replace("FAILED", "PASSED"))
+    assert run.main(["suite", "--configs", "1of3", "--out", str(tmp_path), "--resume"]) == 0
+    assert "kept (--resume)" in capsys.readouterr().out
+
+def test_a_part_whose_tests_cannot_be_collected_is_one_error_line(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run, "suite_files", lambda name: ["tests/test_no_such_file.py"])
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "pytest-2of3.log").write_text("8 workers [3 items]\n")
+    assert run.main(["suite", "--configs", "2of3", "--out", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: pytest could not collect the tests") and "Traceback" not in err
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["pytest-2of3.log"]
+
 def spawn_sleeper(ignore_interrupt: bool) -> subprocess.Popen:
     """A step stand-in in a session of its own, as run_step starts one; it says when it is ready."""
     code = ("import signal, sys, time\n"
