@@ -118,7 +118,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # its scripts' shared modules, when this file is imported
 
 from core.paths import nearest_existing, try_new_file  # noqa: E402
-from suite_logs import SUITE_PARTS, collected, part_logs, rest, suite_files  # noqa: E402
+from suite_logs import SUITE_PARTS, collected, next_rest, part_logs, rest, suite_files  # noqa: E402
 PY = sys.executable
 SHORTLIST_9B = "bench/synthetic9b-shortlist-32k.json"  # built from random-512-offline, never the benchmark prompts
 
@@ -358,10 +358,13 @@ def suite_rest_step(cpus: int, xdist: bool, part: str | None, logs: Path) -> Ste
     earlier = part_logs(logs, first.key)
     if not earlier:
         return first
-    left, failed = rest(collected(PYTEST, suite_files(part) if part else []), earlier)
+    ids = collected(PYTEST, suite_files(part) if part else [])
+    left, failed = rest(ids, earlier)
+    print(f"{first.key}: {len(ids) - len(left)} of {len(ids)} tests ended in {', '.join(p.name for p in earlier)}"
+          f"{f', {len(failed)} failed' if failed else ''}; {len(left)} left to run", flush=True)
     if not left:
         return Step(first.key, first.argv, done=f"logs/{earlier[-1].name}", failed_before=tuple(failed))
-    return pytest_step(f"{first.key}-rest{len(earlier)}", cpus, xdist, left, tuple(failed))
+    return pytest_step(next_rest(earlier, first.key), cpus, xdist, left, tuple(failed))
 
 
 def set_steps(name: str, out: Path, configs: list[str] | None, resume: bool = False) -> list[Step]:

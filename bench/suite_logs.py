@@ -50,14 +50,21 @@ def reached(log: str) -> dict[str, str]:
 def part_logs(logs: Path, key: str) -> list[Path]:
     """The logs of step ``key`` in ``logs``: its first run's, then each later run's of its rest
     (``KEY-restN.log``, in N's order)."""
-    rests = sorted(logs.glob(f"{key}-rest*.log"), key=lambda p: _rest_number(p, key))
+    rests = sorted((p for p in logs.glob(f"{key}-rest*.log") if rest_number(p, key)), key=lambda p: rest_number(p, key))
     first = logs / f"{key}.log"
-    return ([first] if first.is_file() else []) + [p for p in rests if _rest_number(p, key) > 0]
+    return ([first] if first.is_file() else []) + rests
 
 
-def _rest_number(path: Path, key: str) -> int:
+def rest_number(path: Path, key: str) -> int:
+    """N of a log named ``KEY-restN.log``; 0 for any other name."""
     tail = path.stem[len(f"{key}-rest"):]
     return int(tail) if tail.isdigit() else 0
+
+
+def next_rest(logs: list[Path], key: str) -> str:
+    """The key of the next run of step ``key``'s rest: one past the highest N among ``logs``, so
+    that no log already there is written over."""
+    return f"{key}-rest{max((rest_number(p, key) for p in logs), default=0) + 1}"
 
 
 def collected(pytest: tuple[str, ...], files: list[str]) -> list[str]:

@@ -117,6 +117,17 @@ def test_a_log_names_each_test_it_reached_with_its_outcome():
                                        "tests/test_b.py::test_four[a b]": "FAILED"}
 
 
+def test_a_parts_rest_logs_come_in_their_order_and_a_new_one_never_takes_a_used_name(tmp_path):
+    suite_logs = load("suite_logs")
+    for name in ("pytest-1of3-rest2.log", "pytest-1of3-rest10.log", "pytest-1of3-restx.log", "pytest-2of3.log"):
+        (tmp_path / name).write_text("")
+    logs = suite_logs.part_logs(tmp_path, "pytest-1of3")  # its first log is gone
+    assert [p.name for p in logs] == ["pytest-1of3-rest2.log", "pytest-1of3-rest10.log"]
+    assert suite_logs.next_rest(logs, "pytest-1of3") == "pytest-1of3-rest11"
+    (tmp_path / "pytest-1of3.log").write_text("")
+    assert suite_logs.part_logs(tmp_path, "pytest-1of3")[0].name == "pytest-1of3.log"
+    assert suite_logs.next_rest([tmp_path / "pytest.log"], "pytest") == "pytest-rest1"
+
 def test_resume_runs_only_the_tests_a_parts_logs_never_reached_and_keeps_their_failures(run, tmp_path, monkeypatch,
                                                                                         capsys):
     part = ["tests/test_paths.py"]
@@ -131,6 +142,7 @@ def test_resume_runs_only_the_tests_a_parts_logs_never_reached_and_keeps_their_f
     assert run.main(["suite", "--configs", "1of3", "--out", str(tmp_path), "--resume"]) == 1  # the failure stands
     shown = capsys.readouterr().out
     assert "pytest-1of3-rest1" in shown and "(1 failed before)" in shown
+    assert f"pytest-1of3: 2 of {len(ids)} tests ended in pytest-1of3.log, 1 failed; {len(ids) - 2} left to run" in shown
     assert f"failed in an earlier log: {ids[1]}" in shown
     again = load("suite_logs").reached((logs / "pytest-1of3-rest1.log").read_text())
     assert sorted(again) == sorted(ids[2:]) and set(again.values()) == {"PASSED"}  # ran the rest, no more
