@@ -78,11 +78,12 @@ Sets (``python bench/run.py --list`` prints them with their commands):
               CUDA test runs while others load the card; -v names each test's process
   suite       pytest, the whole suite (its log shows how far a run cut by --timeout got): in
               half the CPUs' worth of processes where pytest-xdist is installed (the `test`
-              extra), else in one; its 15 slowest tests named, and each test as it ends (-v). In
-              parts, for calls too short for all of it: --configs 1of2, then 2of2 (every other
-              test file each), or 1of3, 2of3 and 3of3 (every third). With --resume, a part whose
-              logs are in DIR runs only the tests they never reached (a run cut by --timeout), as
-              STEP-restN, and counts as failed if a log names a failure
+              extra), else in one, with OMP_NUM_THREADS=1 as in CI; its 15 slowest tests named,
+              and each test as it ends (-v). In parts, for calls too short for all of it:
+              --configs 1of2, then 2of2 (every other test file each), or 1of3, 2of3 and 3of3
+              (every third). With --resume, a part whose logs are in DIR runs only the tests they
+              never reached (a run cut by --timeout), as STEP-restN, and counts as failed if a log
+              names a failure
 
 Every step's output goes to the terminal and to DIR/logs/STEP.log; DIR/host.txt names the machine
 and its GPUs. A step that fails or runs past --timeout is reported and the set goes on, so one slow
@@ -145,12 +146,14 @@ TARGET_NEW = {"inst-0.85@fs": 512}  # the issue's alpha-0.85 row is 512 new toke
 class Step:
     """One command of a set. ``key`` names its log; ``done`` (a path relative to DIR) skips the step
     under --resume; ``ok`` are the exit codes that count as success; ``failed_before``: tests an
-    earlier run of the step failed, which make it count as failed whatever its exit."""
+    earlier run of the step failed, which make it count as failed whatever its exit; ``env``:
+    variables set for it over the environment's."""
     key: str
     argv: tuple[str, ...]
     done: str | None = None
     ok: tuple[int, ...] = (0,)
     failed_before: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def spec_bench_steps(out: str, configs: list[str], common: list[str], new_tokens: dict | None = None,
@@ -341,12 +344,17 @@ def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
     return pytest_step(key, cpus, xdist, suite_files(part) if part else [])
 
 
+# the suite's environment as CI's: the tests' tiny-model ops gain nothing from threads, and on a
+# 16-core machine each process a test starts would otherwise run 16, contending with the others'
+SUITE_ENV = (("OMP_NUM_THREADS", "1"),)
+
+
 def pytest_step(key: str, cpus: int, xdist: bool, tests: list[str], failed_before: tuple[str, ...] = ()) -> Step:
     argv = [*PYTEST, "-v", "--durations=15"]
     jobs = suite_jobs(cpus)
     if xdist and jobs > 1:
         argv += ["-n", str(jobs), "--dist", "worksteal"]
-    return Step(key, (*argv, *tests), failed_before=failed_before)
+    return Step(key, (*argv, *tests), failed_before=failed_before, env=SUITE_ENV)
 
 
 def suite_rest_step(cpus: int, xdist: bool, part: str | None, logs: Path) -> Step:
@@ -459,7 +467,7 @@ def run_step(step: Step, log_path: Path, timeout: float | None) -> tuple[int | N
         # own session: on a timeout the whole process group goes (a harness run spawns children)
         proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **dict(step.env)})
 
         def kill():
             killed.set()

@@ -81,6 +81,7 @@ def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run,
     assert argv[1:3] == ["-m", "pytest"] and "--durations=15" in argv and "--tb=short" in argv
     assert "-q" not in argv  # a cut run's log still says how many tests there were and how far it got
     assert "-v" in argv  # and names the tests it finished
+    assert dict(run.suite_step(cpus, xdist).env) == {"OMP_NUM_THREADS": "1"}  # as CI runs it
     assert argv[argv.index("--durations=15") + 1:] == spread
 
 
