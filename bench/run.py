@@ -95,8 +95,8 @@ line).
 A GPU call is limited in time, so `table` can be run in parts (``--configs``) into one DIR;
 ``--resume`` skips configurations whose stream is already there, and the audit and the table
 always cover everything in DIR/table. The suite's parts resume test by test: the logs already in
-DIR/logs say which tests ended, and only the others run. Directory names such as ``spec@fs`` may not survive a
-transfer tool: ``--archive FILE.tgz`` packs DIR into one file at the end.
+DIR/logs say which tests ended, and only the others run. Directory names such as ``spec@fs`` may
+not survive a transfer tool: ``--archive FILE.tgz`` packs DIR into one file at the end.
 """
 from __future__ import annotations
 
@@ -115,8 +115,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))  # its scripts' shared modules, when this file is imported
+sys.path.insert(0, str(ROOT / "bench"))  # its scripts' shared modules, also when this file is imported
 
 from core.paths import nearest_existing, try_new_file  # noqa: E402
 from suite_logs import SUITE_PARTS, collected, next_rest, part_logs, rest, suite_files  # noqa: E402

@@ -35,16 +35,19 @@ def reached(log: str) -> dict[str, str]:
     (a call that passed, then a teardown error) keeps its failure."""
     outcomes: dict[str, str] = {}
     for line in log.splitlines():
-        m = _XDIST_LINE.match(line)
-        outcome, test = (m.group(1), m.group(2)) if m else (None, None)
-        if m is None:
-            m = _PLAIN_LINE.match(line)
-            if m is None:
-                continue
-            test, outcome = m.group(1), m.group(2)
-        if outcomes.get(test) not in FAILURES:
-            outcomes[test] = outcome
+        if m := _XDIST_LINE.match(line):
+            outcome, test = m.groups()
+        elif m := _PLAIN_LINE.match(line):
+            test, outcome = m.groups()
+        else:
+            continue
+        keep_failure(outcomes, test, outcome)
     return outcomes
+
+
+def keep_failure(outcomes: dict[str, str], test: str, outcome: str) -> None:
+    if outcomes.get(test) not in FAILURES:
+        outcomes[test] = outcome
 
 
 def part_logs(logs: Path, key: str) -> list[Path]:
@@ -84,7 +87,6 @@ def rest(ids: list[str], logs: list[Path]) -> tuple[list[str], list[str]]:
     ended: dict[str, str] = {}
     for log in logs:
         for test, outcome in reached(log.read_text(encoding="utf-8", errors="replace")).items():
-            if ended.get(test) not in FAILURES:
-                ended[test] = outcome
+            keep_failure(ended, test, outcome)
     failed = sorted(test for test, outcome in ended.items() if outcome in FAILURES)
     return [t for t in ids if t not in ended], failed
