@@ -340,7 +340,7 @@ def suite_step(cpus: int, xdist: bool, part: str | None = None) -> Step:
     starting. -v names each test as it ends, so the log of a run cut by --timeout says which tests
     it never reached."""
     key = f"pytest-{part}" if part else "pytest"
-    return pytest_step(key, cpus, xdist, suite_files(part) if part else [])
+    return pytest_step(key, cpus, xdist, suite_files(part))
 
 
 # the suite's environment as CI's: the tests' tiny-model ops gain nothing from threads, and on a
@@ -365,7 +365,7 @@ def suite_rest_step(cpus: int, xdist: bool, part: str | None, logs: Path) -> Ste
     earlier = part_logs(logs, first.key)
     if not earlier:
         return first
-    ids = collected(PYTEST, suite_files(part) if part else [])
+    ids = collected(PYTEST, suite_files(part))
     left, failed = rest(ids, earlier)
     print(f"{first.key}: {len(ids) - len(left)} of {len(ids)} tests ended in {', '.join(p.name for p in earlier)}"
           f"{f', {len(failed)} failed' if failed else ''}; {len(left)} left to run", flush=True)

@@ -22,9 +22,11 @@ _XDIST_LINE = re.compile(rf"^\[gw\d+\] \[ *\d+%\] ({_OUTCOME}) (tests/\S.*?)\s*$
 _PLAIN_LINE = re.compile(rf"^(tests/\S.*?) ({_OUTCOME})\s+\[ *\d+%\]\s*$")
 
 
-def suite_files(part: str) -> list[str]:
+def suite_files(part: str | None) -> list[str]:
     """Part k of n (``"KofN"``) of the suite: every n-th test file in name order from the k-th, so
-    that the n parts hold every file once."""
+    that the n parts hold every file once; for the whole suite (None), no file named."""
+    if part is None:
+        return []
     k, n = (int(x) for x in part.split("of"))
     files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
     return files[k - 1::n]
@@ -53,9 +55,9 @@ def keep_failure(outcomes: dict[str, str], test: str, outcome: str) -> None:
 def part_logs(logs: Path, key: str) -> list[Path]:
     """The logs of step ``key`` in ``logs``: its first run's, then each later run's of its rest
     (``KEY-restN.log``, in N's order)."""
-    rests = sorted((p for p in logs.glob(f"{key}-rest*.log") if rest_number(p, key)), key=lambda p: rest_number(p, key))
+    rests = sorted((n, p) for p in logs.glob(f"{key}-rest*.log") if (n := rest_number(p, key)))
     first = logs / f"{key}.log"
-    return ([first] if first.is_file() else []) + rests
+    return ([first] if first.is_file() else []) + [p for _, p in rests]
 
 
 def rest_number(path: Path, key: str) -> int:

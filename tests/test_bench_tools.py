@@ -77,11 +77,12 @@ def test_replay_throughput_stops_at_the_workers_the_gpu_holds(run, tmp_path, mon
 @pytest.mark.parametrize("cpus, xdist, spread", [(16, True, ["-n", "8", "--dist", "worksteal"]), (16, False, []),
                                                 (2, True, []), (1, True, [])])
 def test_the_suite_spreads_over_half_the_cpus_only_where_xdist_is_installed(run, cpus, xdist, spread):
-    argv = list(run.suite_step(cpus, xdist).argv)
+    step = run.suite_step(cpus, xdist)
+    argv = list(step.argv)
     assert argv[1:3] == ["-m", "pytest"] and "--durations=15" in argv and "--tb=short" in argv
     assert "-q" not in argv  # a cut run's log still says how many tests there were and how far it got
     assert "-v" in argv  # and names the tests it finished
-    assert dict(run.suite_step(cpus, xdist).env) == {"OMP_NUM_THREADS": "1"}  # as CI runs it
+    assert dict(step.env) == {"OMP_NUM_THREADS": "1"}  # as CI runs it
     assert argv[argv.index("--durations=15") + 1:] == spread
 
 
@@ -129,6 +130,7 @@ def test_a_parts_rest_logs_come_in_their_order_and_a_new_one_never_takes_a_used_
     assert suite_logs.part_logs(tmp_path, "pytest-1of3")[0].name == "pytest-1of3.log"
     assert suite_logs.next_rest([tmp_path / "pytest.log"], "pytest") == "pytest-rest1"
 
+
 def test_resume_runs_only_the_tests_a_parts_logs_never_reached_and_keeps_their_failures(run, tmp_path, monkeypatch,
                                                                                         capsys):
     part = ["tests/test_paths.py"]
@@ -155,6 +157,7 @@ def test_resume_runs_only_the_tests_a_parts_logs_never_reached_and_keeps_their_f
     assert run.main(["suite", "--configs", "1of3", "--out", str(tmp_path), "--resume"]) == 0
     assert "kept (--resume)" in capsys.readouterr().out
 
+
 def test_a_part_whose_tests_cannot_be_collected_is_one_error_line(run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run, "suite_files", lambda name: ["tests/test_no_such_file.py"])
     (tmp_path / "logs").mkdir()
@@ -163,6 +166,7 @@ def test_a_part_whose_tests_cannot_be_collected_is_one_error_line(run, tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("error: pytest could not collect the tests") and "Traceback" not in err
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["pytest-2of3.log"]
+
 
 def spawn_sleeper(ignore_interrupt: bool) -> subprocess.Popen:
     """A step stand-in in a session of its own, as run_step starts one; it says when it is ready."""
